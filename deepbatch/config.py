@@ -1,0 +1,98 @@
+"""Frozen configuration, built once at the edge (CLI, HTTP server, ``LLM(...)``) and passed down.
+
+Values discovered at start-up (the number of KV blocks after memory profiling) are returned by
+the component that finds them, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """``auto`` means bf16 on a GPU and fp32 on the CPU (where bf16 matmuls are slow and fp32 is the
+    reference precision)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None  # None means the embedded default (SmolLM2-135M-Instruct, GGUF)
+    dtype: torch.dtype
+    max_model_len: int | None  # None: the model's own context length
+    seed: int = 0
+    random_weights: bool = False  # build from config.json with seeded random weights (benchmarks)
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # Fixes the number of KV blocks instead of profiling memory (tests, reproducible runs).
+    num_gpu_blocks_override: int | None = None
+    # KV budget on the CPU, where there is no device memory to profile.
+    cpu_kv_cache_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override: must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False
+    log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,256 @@
+"""The engine: validate and enqueue requests; each ``step`` is schedule -> execute -> update.
+
+    add_request -> Request(s) on the scheduler's waiting queue
+    step:       out = scheduler.schedule()
+                sampled = runner.execute(out)
+                finished = scheduler.update(out, sampled)     # EOS, stop ids, lengths
+                detokenize, stop strings, outputs, stats       # hang off update
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from deepbatch.config import EngineConfig
+from deepbatch.engine.detokenizer import Detokenizer
+from deepbatch.engine.errors import InvalidRequestError
+from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.engine.request import Request, RequestStatus
+from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.kv_cache.manager import KVCacheManager
+from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
+from deepbatch.runner.model_runner import ModelRunner
+from deepbatch.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (the metrics exporter reads deltas of these)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.source = resolve_model(config.model.model)
+        self.hf_config = load_hf_config(self.source)
+        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
+        native_len = max_model_len_of(self.hf_config, None)
+        self.max_model_len = max_model_len_of(self.hf_config, config.model.max_model_len)
+        if self.max_model_len > native_len:
+            logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
+        model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
+        self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
+        self.num_blocks = self.runner.profile_num_blocks()
+        self.runner.init_kv_cache(self.num_blocks)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = self._eos_token_ids()
+        self.stats = EngineStats()
+        self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
+        self._ids = itertools.count()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB per block)",
+            self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
+            self.runner.kv_bytes_per_block() / 1024,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.source.name
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set()
+        for src in (self.hf_config, getattr(self.tokenizer, "init_kwargs", None)):
+            eos = getattr(src, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer; pass prompt_token_ids")
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template")
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+        except Exception as e:  # template errors are the caller's input errors
+            raise InvalidRequestError("messages", f"chat template failed: {e}") from e
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def make_requests(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str = "default",
+        arrival_time: float | None = None,
+    ) -> list[Request]:
+        """Validate and build the Request(s) of one prompt (n of them for ``params.n > 1``)."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        n_prompt = len(ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n_prompt} tokens; the maximum context length is {self.max_model_len} "
+                "and at least one token must be generated", code="context_length_exceeded")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
+                f"length {self.max_model_len}", code="context_length_exceeded")
+        if n_prompt + max_tokens > self.kv_cache.capacity_tokens:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({n_prompt}) + max_tokens ({max_tokens}) can never fit in the KV cache "
+                f"({self.kv_cache.capacity_tokens} tokens)", code="context_length_exceeded")
+        params = replace(params, _eos_token_ids=self.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        out = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            out.append(Request(rid, ids, child_params, max_tokens, arrival_time=arrival, priority=priority,
+                               tenant=tenant, prompt=text, parent_id=request_id, index=i))
+        return out
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt) if prompt else []
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise InvalidRequestError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt", f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id, prompt, params: SamplingParams, priority: int = 0, tenant: str = "default",
+                    arrival_time: float | None = None) -> str:
+        requests = self.make_requests(request_id, prompt, params, priority, tenant, arrival_time)
+        parent = requests[0].parent_id
+        if parent in self._children:
+            raise InvalidRequestError("request_id", f"request id {parent!r} is already in use")
+        self._children[parent] = requests
+        for r in requests:
+            self.scheduler.add_request(r)
+        return parent
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request (all its samples) now and free its KV blocks."""
+        children = self._children.pop(request_id, None)
+        if children is None:
+            return None
+        for r in children:
+            if not r.is_finished:
+                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
+                self._on_finished(r)
+        return self._output(request_id, children)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One model step. Returns an output for every parent request that made progress."""
+        out = self.scheduler.schedule()
+        touched: dict[str, None] = {}
+        for r in out.finished:
+            self._on_finished(r)
+            touched[r.parent_id] = None
+        if out.is_empty:
+            return self._collect(touched)
+        self.stats.num_steps += 1
+        sampler_out = self.runner.execute(out)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        sampled = {r.request_id: tok for r, tok in zip(sampling, sampler_out.token_ids)}
+        now = time.monotonic()
+        for s in out.scheduled:
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:  # before update: prompt tokens run now
+                self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        finished = self.scheduler.update(out, sampled)
+        for i, r in enumerate(sampling):
+            self.stats.num_generation_tokens += 1
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.last_token_time = now
+            if sampler_out.logprobs is not None and r.logprobs is not None:
+                r.logprobs.append(sampler_out.logprobs[i])
+            stop = self.detokenizer.update(r, [r.output_token_ids[-1]])
+            if stop is not None and not r.is_finished:
+                r.stop_reason = stop
+                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(r)
+            touched[r.parent_id] = None
+        for r in finished:
+            self._on_finished(r)
+        return self._collect(touched)
+
+    def _on_finished(self, r: Request) -> None:
+        self.runner.sampler.forget(r.request_id)
+        reason = r.finish_reason or "abort"
+        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+
+    def _collect(self, parent_ids) -> list[RequestOutput]:
+        outputs = []
+        for pid in parent_ids:
+            children = self._children.get(pid)
+            if children is None:
+                continue
+            o = self._output(pid, children)
+            if o.finished:
+                del self._children[pid]
+            outputs.append(o)
+        return outputs
+
+    @staticmethod
+    def _output(parent_id: str, children: list[Request]) -> RequestOutput:
+        first = children[0]
+        completions = [
+            CompletionOutput(r.index, r.output_text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
+                             list(r.logprobs) if r.logprobs is not None else None)
+            for r in children
+        ]
+        errors = [r.error for r in children if r.error]
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=all(r.is_finished for r in children),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=errors[0] if errors else None,
+            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                   max((r.finished_time or 0.0) for r in children) or None),
+        )

@@ -1,0 +1,137 @@
+"""The scheduler's only view of the KV cache: ``get_computed_blocks / allocate_slots / free``.
+
+A request's blocks cover its tokens in order; token ``i`` lives in slot
+``block_ids[i // block_size] * block_size + i % block_size``::
+
+    block_ids:   [ b7        | b2        | b9  ...   ]
+    tokens:      [0 .. bs-1  | bs..2bs-1 | 2bs ..    ]
+                  ^ full blocks are hashed (chained) and may be shared through the prefix cache
+
+``allocate_slots`` returning None means "no room": the scheduler decides whom to preempt.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+from deepbatch.engine.request import Request
+from deepbatch.kv_cache.block_pool import BlockPool
+
+_ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    h = xxhash.xxh3_64(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        # request_id -> number of the request's leading blocks already published to the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- hashing -----------------------------------------------------------------------------
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+
+    # -- interface ---------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Leading full blocks of the request already in the prefix cache, and how many tokens
+        they hold. The last token is never a hit: its logits must be computed."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent = _ROOT_HASH
+        bs = self.block_size
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            block_id = self.pool.lookup(block_hash, parent, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = block_hash
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones (and
+        after ``computed_blocks``, prefix hits being attached now). Returns the newly allocated
+        block ids, or None, changing nothing, when the pool cannot supply them."""
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        have = len(request.block_ids) + len(computed_blocks)
+        need = self.blocks_needed(num_computed + num_new_tokens) - have
+        # Hit blocks sitting in the free queue stop being free once touched.
+        reclaimed = sum(1 for b in computed_blocks if self.pool.is_free(b))
+        if need > self.pool.num_free_blocks - reclaimed:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+            self._num_cached_blocks[request.request_id] = len(request.block_ids)
+        new_blocks = self.pool.allocate(max(need, 0)) or []
+        request.block_ids.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so that its last blocks are evicted first."""
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that will be full once ``num_tokens`` are computed.
+        Their tokens are known now (prompt, or tokens sampled earlier), so their hashes are too."""
+        if not self.enable_caching:
+            return
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        self._update_block_hashes(request)
+        bs = self.block_size
+        for i in range(start, end):
+            parent = request.block_hashes[i - 1] if i > 0 else _ROOT_HASH
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent, tokens)
+        self._num_cached_blocks[request.request_id] = end

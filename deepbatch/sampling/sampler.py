@@ -1,0 +1,166 @@
+"""Logits -> next tokens, on the device, for the whole batch at once.
+
+Order of operations (vLLM's): logit bias -> min_tokens (ban EOS/stop ids) -> penalties ->
+logprobs (of the processed logits, before temperature) -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
+samples from ``p`` without a host sync; seeded requests draw their ``q`` row from their own
+generator so their output does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepbatch.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None.
+    logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: str | torch.device):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab)."""
+        params = [r.sampling_params for r in requests]
+        logits = self._apply_logit_bias(logits, requests)
+        logits = self._apply_min_tokens(logits, requests)
+        if any(p.needs_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = torch.log_softmax(logits, dim=-1)
+
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, requests)
+        token_ids = sampled.tolist()  # the one host sync of the step
+        return SamplerOutput(token_ids, self._gather_logprobs(logprobs, sampled, params) if logprobs is not None else None)
+
+    # -- logits processors ------------------------------------------------------------------
+
+    def _apply_logit_bias(self, logits, requests):
+        rows, cols, vals = [], [], []
+        for i, r in enumerate(requests):
+            for tok, bias in (r.sampling_params.logit_bias or {}).items():
+                if tok < logits.shape[1]:
+                    rows.append(i), cols.append(tok), vals.append(bias)
+        if rows:
+            logits = logits.clone()
+            logits.index_put_(
+                (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
+                torch.tensor(vals, device=logits.device, dtype=logits.dtype),
+                accumulate=True,
+            )
+        return logits
+
+    def _apply_min_tokens(self, logits, requests):
+        rows, cols = [], []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+                for tok in banned:
+                    rows.append(i), cols.append(tok)
+        if rows:
+            logits = logits.clone()
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits, requests):
+        S, V = logits.shape
+        dev = logits.device
+        out_counts = torch.zeros(S, V, device=dev, dtype=torch.float32)
+        seen = torch.zeros(S, V, device=dev, dtype=torch.bool)
+        for i, r in enumerate(requests):
+            if not r.sampling_params.needs_penalties:
+                continue
+            if r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, device=dev)
+                out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
+            seen[i, torch.tensor(r.all_token_ids, device=dev)] = True
+        rep = torch.tensor([r.sampling_params.repetition_penalty for r in requests], device=dev).unsqueeze(1)
+        freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests], device=dev).unsqueeze(1)
+        pres = torch.tensor([r.sampling_params.presence_penalty for r in requests], device=dev).unsqueeze(1)
+        # Repetition penalty over prompt and output (HF/vLLM): shrink positive logits, grow negative.
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _sample(self, logits, requests):
+        dev = logits.device
+        params = [r.sampling_params for r in requests]
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev).unsqueeze(1)
+        scaled = logits / temp
+
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _top_k_top_p(scaled, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        probs = scaled.softmax(dim=-1)
+        if any(m > 0 for m in min_p):
+            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
+            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+
+        q = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
+                q[i].exponential_(generator=self._generator(r))
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _gather_logprobs(logprobs, sampled, params):
+        k_max = max((p.logprobs or 0) for p in params)
+        chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = (logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None))
+        top_vals = top_vals.tolist() if top_vals is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        out = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = {top_ids[i][j]: top_vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
+            out.append((chosen[i], top))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Mask all but each row's top-k logits and the smallest prefix whose mass reaches top-p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    mask = ranks >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass before it already reaches top_p (the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
