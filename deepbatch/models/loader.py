@@ -76,15 +76,17 @@ def load_hf_config(source: ModelSource):
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
-    """The HF tokenizer (with chat template), or None for a bare config (token ids only)."""
+    """The HF tokenizer (with chat template), or None where the model ships none (token ids only)."""
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
-    if source.kind == "config":
-        return None
+    if source.kind == "config" or not any(
+        os.path.isfile(os.path.join(source.path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        return None  # token ids in, token ids out
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
 
 

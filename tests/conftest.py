@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random HF checkpoints built on the fly, and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # Peaky logits keep greedy argmax away from near-ties between fp32 implementations.
+    initializer_range=0.15,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(
+            **TINY_COMMON,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        )
+    if arch == "qwen2":
+        return Qwen2Config(**TINY_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "qwen3":
+        return Qwen3Config(**{**TINY_COMMON, "num_key_value_heads": 1}, head_dim=32,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    raise ValueError(arch)
+
+
+def build_tiny_checkpoint(arch: str, path: str, seed: int = 0) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    with torch.no_grad():
+        # Random biases, so a loader that drops them is caught.
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_checkpoint(arch, str(root / arch)) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    from deepbatch import LLM
+
+    return LLM(max_model_len=1024, dtype="float32", device="cpu")

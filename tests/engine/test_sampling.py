@@ -1,0 +1,94 @@
+"""Sampling end to end: seeds reproduce, n > 1, logprobs, min/max tokens, penalties, abort."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepbatch import LLM, SamplingParams
+from deepbatch.sampling.sampler import _top_k_top_p
+
+PROMPT = {"prompt_token_ids": [11, 12, 13, 14, 15, 16]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(tiny_checkpoints["qwen2"], dtype="float32", device="cpu", max_model_len=256)
+
+
+def test_seed_reproducible_and_independent_of_batch(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": [20, 21]}, PROMPT, PROMPT], [others, p, others], use_tqdm=False)
+    assert batched[1].outputs[0].token_ids == alone
+    other_seed = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_samples(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 6 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_logprobs_match_log_softmax(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, (lp, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3
+        assert max(top, key=top.get) == tok  # greedy picks the top-1
+        assert math.isclose(top[tok], lp, abs_tol=1e-6) and lp <= 0
+
+
+def test_min_tokens_bans_eos(llm):
+    eos = 2
+    bias = {eos: 100.0}  # make EOS overwhelmingly likely
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, logit_bias=bias),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert eos not in out.token_ids[:5]
+
+
+def test_stop_token_ids(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                stop_token_ids=[greedy[2]]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[: greedy.index(greedy[2]) + 1]
+    assert out.stop_reason == greedy[2]
+
+
+def test_repetition_penalty_changes_greedy_choice(llm):
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    pen = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                frequency_penalty=2.0, presence_penalty=2.0),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(pen)) >= len(set(plain))
+    assert pen != plain or len(set(plain)) == len(plain)
+
+
+def test_top_k_top_p_mask():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    out = _top_k_top_p(logits, torch.tensor([2, 4]), torch.tensor([1.0, 0.5]))
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    # Row 2: p(4.0) = 0.64 >= 0.5, so only the top token survives.
+    assert torch.isfinite(out[1, 0]) and torch.isinf(out[1, 1:]).all()
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("a", [5] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.kv_cache.pool.num_free_blocks < engine.num_blocks
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+    assert not engine.has_unfinished_requests()
