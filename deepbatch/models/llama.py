@@ -159,6 +159,20 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
 
+    def export_weights(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of ``load_weights`` for one parameter: HF-named tensors (merged
+        projections split back into their checkpoint parts)."""
+        parts = [(src, shard) for src, dst, shard in self.stacked_params if f".{dst}." in name]
+        if not parts:
+            return {name: tensor}
+        dst = next(d for _, d, _ in self.stacked_params if f".{d}." in name)
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        return {
+            name.replace(f".{dst}.", f".{src}."): tensor.narrow(0, module.offsets[shard], module.out_sizes[shard])
+            for src, shard in parts
+        }
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
 

@@ -1,0 +1,68 @@
+"""The throughput ceiling of a workload on a GPU, from the model config alone.
+
+A decode step with batch B at contexts L_i reads the weights once and each sequence's KV:
+``t_mem = (weight_bytes + sum_i L_i * kv_bytes_per_token) / BW``,
+``t_compute = B * 2 * active_params / F``; the step takes ``max`` of the two. Prefill runs at
+compute cost. Requests run in lockstep waves of at most ``max_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+H200_BW = 4.3e12  # bytes/s, device-to-device copy measured on the lent H200
+H200_FLOPS = 790e12  # bf16 dense matmul, measured
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: float
+    active_params: float
+    kv_bytes_per_token: float
+
+
+def model_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
+    h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q = h * heads * qk if not getattr(cfg, "q_lora_rank", None) else h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk
+        kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        attn = q + kv + heads * cfg.v_head_dim * h
+        kv_tok = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    else:
+        kvh = getattr(cfg, "num_key_value_heads", None) or heads
+        attn = h * head_dim * (heads + 2 * kvh) + heads * head_dim * h
+        kv_tok = layers * 2 * kvh * head_dim * dtype_bytes
+    n_experts = getattr(cfg, "n_routed_experts", None)
+    if n_experts:
+        dense_layers = getattr(cfg, "first_k_dense_replace", 0)
+        moe_i = cfg.moe_intermediate_size
+        shared = (getattr(cfg, "n_shared_experts", 0) or 0) * 3 * h * moe_i
+        mlp_all = dense_layers * 3 * h * cfg.intermediate_size + (layers - dense_layers) * (n_experts * 3 * h * moe_i + shared)
+        mlp_active = dense_layers * 3 * h * cfg.intermediate_size + (layers - dense_layers) * (
+            cfg.num_experts_per_tok * 3 * h * moe_i + shared)
+    else:
+        mlp_all = mlp_active = layers * 3 * h * cfg.intermediate_size
+    embed = vocab * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    total = layers * attn + mlp_all + embed
+    active = layers * attn + mlp_active + vocab * h  # the head runs per token; the embedding is a lookup
+    return ModelCost(total * dtype_bytes, active, kv_tok)
+
+
+def workload_ceiling(cost: ModelCost, prompt_lens, output_lens, max_batch: int = 256,
+                     bw: float = H200_BW, flops: float = H200_FLOPS) -> float:
+    """Output tokens per second at the ceiling."""
+    t = sum(prompt_lens) * 2 * cost.active_params / flops
+    order = list(range(len(prompt_lens)))
+    for start in range(0, len(order), max_batch):
+        wave = order[start : start + max_batch]
+        steps = max(output_lens[i] for i in wave)
+        for s in range(steps):
+            live = [i for i in wave if output_lens[i] > s]
+            ctx = sum(prompt_lens[i] + s for i in live)
+            t_mem = (cost.weight_bytes + ctx * cost.kv_bytes_per_token) / bw
+            t_cmp = len(live) * 2 * cost.active_params / flops
+            t += max(t_mem, t_cmp)
+    return sum(output_lens) / t

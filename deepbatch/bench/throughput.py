@@ -1,0 +1,181 @@
+"""``deepbatch bench throughput``: one offline workload through deepbatch, then (optionally) the
+HF peers on the same weights in the same process, printed as one table against the roofline.
+
+    deepbatch bench throughput --workload nano-x4 --model-config qwen3-0.6b.json --random-weights \
+        --peers hf-static --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import time
+
+import torch
+
+from deepbatch.bench.roofline import model_cost, workload_ceiling
+from deepbatch.bench.workloads import WORKLOADS, make_workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOADS, required=True)
+    p.add_argument("--model", default=None, help="model path (HF dir or .gguf); default: the embedded SmolLM2")
+    p.add_argument("--model-config", default=None, help="a config.json to build with random weights")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
+    p.add_argument("--peers", default="", help="comma list of hf-static, hf-continuous")
+    p.add_argument("--peer-requests", type=int, default=None, help="run the peers on the first N requests only")
+    p.add_argument("--peer-batch-size", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--output-json", default=None)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from deepbatch import LLM, SamplingParams
+    from deepbatch.config import default_device
+
+    device = args.device or default_device()
+    model = args.model_config or args.model
+    llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096)
+    engine = llm.engine
+    cfg = engine.hf_config
+    w = make_workload(args.workload, cfg.vocab_size, args.num_requests)
+    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True) for n in w.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in w.prompts]
+
+    # Warm-up outside the timing (kernel compilation, allocator).
+    llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * min(4, len(prompts)), use_tqdm=False)
+    engine.kv_cache.pool.reset_prefix_cache()
+    engine.scheduler.num_preemptions = 0
+    steps0 = engine.stats.num_steps
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == w.num_output_tokens, (n_out, w.num_output_tokens)
+    dtype_bytes = torch.tensor([], dtype=engine.config.model.dtype).element_size()
+    ceiling = workload_ceiling(model_cost(cfg, dtype_bytes), [len(p) for p in w.prompts], w.output_lens)
+    ours = {"name": "deepbatch", "seconds": dt, "requests": w.num_requests, "output_tokens": n_out,
+            "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
+            "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
+            "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
+            "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1)}
+    results = [ours]
+
+    peers = [p for p in args.peers.split(",") if p]
+    if peers:
+        hf = _hf_model_like(llm, device)
+        del llm, engine
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        hf = hf.to(device)
+        pw = w.head(args.peer_requests) if args.peer_requests else w
+        from deepbatch.bench import peers as peer_mod
+
+        for p in peers:
+            try:
+                if p == "hf-static":
+                    results.append(peer_mod.hf_static(hf, pw, args.peer_batch_size, device))
+                elif p == "hf-continuous":
+                    results.append(peer_mod.hf_continuous(hf, pw, device))
+                else:
+                    raise ValueError(f"unknown peer {p!r}")
+            except Exception as e:  # a peer that cannot run is reported, not fatal
+                results.append({"name": p, "error": f"{type(e).__name__}: {e}"[:300]})
+
+    for r in results:
+        if "seconds" in r:
+            r["output_tok_s"] = r["output_tokens"] / r["seconds"]
+            r["total_tok_s"] = (r["output_tokens"] + r["prompt_tokens"]) / r["seconds"]
+            r["req_s"] = r["requests"] / r["seconds"]
+    ours["ceiling_output_tok_s"] = ceiling
+    ours["fraction_of_ceiling"] = ours["output_tok_s"] / ceiling
+    report = {
+        "workload": args.workload, "model": model or "default", "device": _device_name(device),
+        "commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+        "results": results,
+    }
+    print_table(report)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def _hf_model_like(llm, device):
+    """An HF model of the same architecture holding deepbatch's weights (on the CPU for now)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = llm.engine
+    cfg = engine.hf_config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=engine.config.model.dtype)
+    hf = hf.to_empty(device="cpu")
+    ours = engine.runner.model
+    state = {}
+    for name, p in ours.named_parameters():
+        state.update(ours.export_weights(name, p.detach().cpu()) if hasattr(ours, "export_weights") else {name: p.detach().cpu()})
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected:
+        raise RuntimeError(f"weights HF does not know: {unexpected[:5]}")
+    hf.tie_weights()
+    if hasattr(hf, "model") and hasattr(hf.model, "rotary_emb"):
+        hf.model.rotary_emb.to("cpu")
+    return hf.eval()
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def print_table(report: dict) -> None:
+    rows = report["results"]
+    ours = rows[0]
+    print(f"\nworkload {report['workload']}  model {report['model']}  device {report['device']}  commit {report['commit']}")
+    print(f"{'engine':<22}{'req/s':>8}{'out tok/s':>12}{'total tok/s':>13}{'seconds':>10}{'ours / it':>11}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<22}  failed: {r['error']}")
+            continue
+        ratio = ours["output_tok_s"] / r["output_tok_s"]
+        print(f"{r['name']:<22}{r['req_s']:>8.2f}{r['output_tok_s']:>12.0f}{r['total_tok_s']:>13.0f}{r['seconds']:>10.1f}{ratio:>10.2f}x")
+    print(f"roofline ceiling {ours['ceiling_output_tok_s']:.0f} out tok/s; deepbatch at {100 * ours['fraction_of_ceiling']:.1f}%; "
+          f"{ours['steps']} steps, {ours['preemptions']} preemptions, KV {ours['kv_capacity_tokens']} tokens, "
+          f"prefix hit rate {100 * ours['prefix_hit_rate']:.1f}%")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="deepbatch bench throughput", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

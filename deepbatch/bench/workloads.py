@@ -1,0 +1,86 @@
+"""The offline workloads of the benchmark suite (see docs/benchmarks.md), generated exactly and
+seeded, so every engine and peer sees the same token ids and output lengths."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def head(self, n: int) -> "Workload":
+        return Workload(self.name, self.prompts[:n], self.output_lens[:n], self.temperature)
+
+
+def nano(num_requests: int = 256, name: str = "nano") -> Workload:
+    """nano-vllm's bench.py: lengths and ids from Python's ``random`` seeded 0, prompts first
+    (each: its length, then its ids), then all output lengths."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_requests)]
+    outs = [random.randint(100, 1024) for _ in range(num_requests)]
+    return Workload(name, prompts, outs, temperature=0.6)
+
+
+def fixed(name: str, num_requests: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> Workload:
+    """vLLM's random dataset with range ratio 0: fixed lengths, uniform random ids."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, min(vocab, 32000), size=(num_requests, prompt_len))
+    return Workload(name, ids.tolist(), [output_len] * num_requests)
+
+
+def shared_prefix(num_requests: int, prefix_len: int, unique_len: int, output_len: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, min(vocab, 32000), size=prefix_len).tolist()
+    uniq = rng.integers(0, min(vocab, 32000), size=(num_requests, unique_len)).tolist()
+    return Workload("prefix", [prefix + u for u in uniq], [output_len] * num_requests)
+
+
+def cpu_smol(vocab: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(64, 256))] for _ in range(64)]
+    return Workload("cpu-smol", prompts, [64] * 64)
+
+
+WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol"]
+
+
+def make_workload(name: str, vocab: int, num_requests: int | None = None) -> Workload:
+    if name == "nano":
+        w = nano(256)
+    elif name == "nano-x4":
+        w = nano(1024, "nano-x4")
+    elif name == "seed-table":
+        w = fixed(name, 1000, 1024, 512, vocab)
+    elif name == "random-1k":
+        w = fixed(name, 1000, 1024, 1024, vocab)
+    elif name == "random-short":
+        w = fixed(name, 1000, 1024, 128, vocab)
+    elif name == "mla-moe":
+        w = fixed(name, 1000, 1024, 512, vocab)
+    elif name == "prefix":
+        w = shared_prefix(1000, 2048, 128, 128, vocab)
+    elif name == "cpu-smol":
+        w = cpu_smol(vocab)
+    else:
+        raise ValueError(f"workload: unknown {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return w.head(num_requests) if num_requests else w
