@@ -52,6 +52,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
+        self.runner.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -15,6 +15,7 @@ import torch
 
 from deepbatch.config import EngineConfig
 from deepbatch.layers.attention import make_backend
+from deepbatch.runner.cuda_graph import DecodeCudaGraphs
 from deepbatch.runner.forward_batch import ForwardBatch
 from deepbatch.sampling.sampler import Sampler, SamplerOutput
 from deepbatch.scheduler.scheduler import SchedulerOutput
@@ -38,6 +39,7 @@ class ModelRunner:
         self.backend = make_backend(backend)
         self.sampler = Sampler(hf_config.vocab_size, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeCudaGraphs | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -113,6 +115,14 @@ class ModelRunner:
         self.kv_caches = caches
         self._bind(caches)
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        self.graphs = DecodeCudaGraphs(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                       self.max_model_len, self.device)
+        self.graphs.capture()
+
     def _bind(self, caches) -> None:
         for a, kv in zip(self.attn_layers, caches or [(None, None)] * len(self.attn_layers)):
             a.bind(kv[0], kv[1], self.backend)
@@ -161,7 +171,10 @@ class ModelRunner:
         """Run the step; returns one sampled token per request whose chunk reached its end, in
         the order of ``out.scheduled``."""
         batch = self.build_batch(out)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch)
         sampling = [s.request for s in out.scheduled if s.samples]
         if not sampling:
             return SamplerOutput([])
