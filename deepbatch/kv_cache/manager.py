@@ -84,9 +84,13 @@ class KVCacheManager:
                 break
             hits.append(block_id)
             parent = block_hash
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup (a lookup retried while the request waits
+        for room is counted once, when it is admitted)."""
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None

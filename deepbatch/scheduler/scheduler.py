@@ -141,10 +141,14 @@ class Scheduler:
                 continue
             # The request was preempted or finished; self.running shrank at or after i.
 
-        # Preempted requests go back to the front of the line, in the order they sort.
+        # Preempted requests keep their place in line: the front under FCFS, their sorted place
+        # under the priority policy (never ahead of a higher-priority waiting request).
         if out.preempted:
-            for request in sorted(out.preempted, key=_order_key, reverse=True):
-                self.waiting.appendleft(request)
+            if self.config.policy == "priority":
+                self.waiting = deque(sorted([*self.waiting, *out.preempted], key=_order_key))
+            else:
+                for request in sorted(out.preempted, key=_order_key, reverse=True):
+                    self.waiting.appendleft(request)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -153,7 +157,16 @@ class Scheduler:
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
-                break  # head of line waits; the running requests free blocks as they finish
+                if self.running:
+                    break  # head of line waits; the running requests free blocks as they finish
+                # Nothing holds blocks and it still does not fit: it never will.
+                self.waiting.popleft()
+                self.requests.pop(request.request_id, None)
+                request.error = "request does not fit in the KV cache even when run alone"
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                out.finished.append(request)
+                continue
+            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
