@@ -105,7 +105,7 @@ class LLM:
         bar = tqdm(total=len(items), desc="Generating", unit="req", disable=not use_tqdm or len(items) < 2)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(finished_only=True):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads TRITON_INTERPRET when a kernel is defined (at import), so it must be set before
+# anything imports deepbatch: without a GPU every Triton kernel runs in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_COMMON = dict(
     vocab_size=384,

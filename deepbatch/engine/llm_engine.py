@@ -182,15 +182,16 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One model step. Returns an output for every parent request that made progress."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One model step. Returns an output for every parent request that made progress (with
+        ``finished_only``, only for those that finished: offline runs skip building the rest)."""
         out = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for r in out.finished:
             self._on_finished(r)
             touched[r.parent_id] = None
         if out.is_empty:
-            return self._collect(touched)
+            return self._collect(touched, finished_only)
         self.stats.num_steps += 1
         sampler_out = self.runner.execute(out)
         sampling = [s.request for s in out.scheduled if s.samples]
@@ -216,18 +217,18 @@ class LLMEngine:
             touched[r.parent_id] = None
         for r in finished:
             self._on_finished(r)
-        return self._collect(touched)
+        return self._collect(touched, finished_only)
 
     def _on_finished(self, r: Request) -> None:
         self.runner.sampler.forget(r.request_id)
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
 
-    def _collect(self, parent_ids) -> list[RequestOutput]:
+    def _collect(self, parent_ids, finished_only: bool = False) -> list[RequestOutput]:
         outputs = []
         for pid in parent_ids:
             children = self._children.get(pid)
-            if children is None:
+            if children is None or (finished_only and not all(r.is_finished for r in children)):
                 continue
             o = self._output(pid, children)
             if o.finished:

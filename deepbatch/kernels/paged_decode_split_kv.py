@@ -53,10 +53,17 @@ def _paged_decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Split ranges are tile-aligned, so only the sequence's last partial tile needs masks.
+    full_end = tl.maximum(kv_start, tl.minimum(kv_end, seq_len // TILE_N * TILE_N))
     m_i, l_i, acc = _attend_kv_range(
-        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, kv_start, kv_end,
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, kv_start, full_end,
         scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False,
+    )
+    m_i, l_i, acc = _attend_kv_range(
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, full_end, kv_end,
+        scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True,
     )
     # An empty split stores o = 0, lse = -inf: weight 0 in the merge, never NaN.
     has_keys = l_i > 0

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from deepbatch.kernels.silu_and_mul import silu_and_mul as silu_and_mul_triton
+from deepbatch.kernels.silu_and_mul import silu_and_mul_ref, triton
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    if x.is_cuda and triton is not None:
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

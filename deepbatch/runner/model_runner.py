@@ -119,9 +119,15 @@ class ModelRunner:
         """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        self.graphs = DecodeCudaGraphs(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                                       self.max_model_len, self.device)
-        self.graphs.capture()
+        graphs = DecodeCudaGraphs(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
+                                  self.max_model_len, self.device)
+        try:
+            graphs.capture()
+        except Exception:  # a capture failure costs speed, never correctness
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            torch.cuda.synchronize()
+            return
+        self.graphs = graphs
 
     def _bind(self, caches) -> None:
         for a, kv in zip(self.attn_layers, caches or [(None, None)] * len(self.attn_layers)):
@@ -136,11 +142,16 @@ class ModelRunner:
         for s in out.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            pos = np.arange(start, end)
-            table = np.asarray(r.block_ids, dtype=np.int64)
-            ids.append(np.asarray(r.all_token_ids[start:end], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
+                ids.append((r.all_token_ids[start],))
+                positions.append((start,))
+                slots.append((r.block_ids[start // bs] * bs + start % bs,))
+            else:
+                pos = np.arange(start, end)
+                table = np.asarray(r.block_ids, dtype=np.int64)
+                ids.append(r.all_token_ids[start:end])
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
             if s.samples:
@@ -155,9 +166,9 @@ class ModelRunner:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
 
         return ForwardBatch(
-            input_ids=t(np.concatenate(ids), torch.long),
-            positions=t(np.concatenate(positions), torch.long),
-            slot_mapping=t(np.concatenate(slots), torch.long),
+            input_ids=t(np.concatenate(ids).astype(np.int64, copy=False), torch.long),
+            positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
+            slot_mapping=t(np.concatenate(slots).astype(np.int64, copy=False), torch.long),
             query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
             seq_lens=t(np.asarray(seq_lens, dtype=np.int32), torch.int32),
             block_tables=t(tables, torch.int32),
