@@ -133,9 +133,7 @@ def _hf_model_like(llm, device):
 
     engine = llm.engine
     cfg = engine.hf_config
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=engine.config.model.dtype)
-    hf = hf.to_empty(device="cpu")
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=engine.config.model.dtype)
     ours = engine.runner.model
     state = {}
     for name, p in ours.named_parameters():
@@ -144,8 +142,6 @@ def _hf_model_like(llm, device):
     if unexpected:
         raise RuntimeError(f"weights HF does not know: {unexpected[:5]}")
     hf.tie_weights()
-    if hasattr(hf, "model") and hasattr(hf.model, "rotary_emb"):
-        hf.model.rotary_emb.to("cpu")
     return hf.eval()
 
 
