@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--profile", action="store_true", help="print where the host's time goes (cProfile)")
 
 
 def _git_commit() -> str:
@@ -48,7 +49,11 @@ def _git_commit() -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import logging
+
     from deepbatch import LLM, SamplingParams
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from deepbatch.config import default_device
 
     device = args.device or default_device()
@@ -70,11 +75,22 @@ def run(args: argparse.Namespace) -> dict:
     steps0 = engine.stats.num_steps
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=True)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == w.num_output_tokens, (n_out, w.num_output_tokens)
     dtype_bytes = torch.tensor([], dtype=engine.config.model.dtype).element_size()

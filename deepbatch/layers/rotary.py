@@ -43,8 +43,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv_freq, attention_scaling = compute_inv_freq(config, self.rotary_dim)
-        t = torch.arange(max_position, dtype=torch.float)
-        freqs = torch.outer(t, inv_freq)  # [P, rot/2]
+        # Tabulated in fp32 on the CPU (transformers' init functions return CPU tensors), then moved.
+        t = torch.arange(max_position, dtype=torch.float, device="cpu")
+        freqs = torch.outer(t, inv_freq.float().cpu()).to(torch.get_default_device())  # [P, rot/2]
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
