@@ -66,8 +66,14 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend = AttentionBackend()
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend) -> None:
-        self.k_cache, self.v_cache, self.backend = k_cache, v_cache, backend
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        """Per-token shape of each paged cache tensor this layer needs (the runner allocates
+        ``[num_blocks, block_size, *shape]`` for each). Latent-cache layers (MLA) need one."""
+        return [(self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)]
+
+    def bind(self, caches: list[torch.Tensor | None], backend: AttentionBackend) -> None:
+        self.k_cache, self.v_cache = caches
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]

@@ -1,7 +1,9 @@
 """Runs one scheduled step on the model: build the ForwardBatch, forward, logits, sample.
 
-The runner owns the KV cache tensors (one K and one V tensor per layer, shape
-``[num_blocks, block_size, num_kv_heads, head_dim]``) and binds them to the attention layers.
+The runner owns the KV cache tensors and binds them to the attention layers. Each layer says
+what it needs through ``cache_shapes()`` (K and V of ``[num_kv_heads, head_dim]`` per token for
+standard attention, one latent vector for MLA); the runner allocates
+``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool.
 It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
 into the config.
 """
@@ -9,6 +11,7 @@ into the config.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -38,14 +41,20 @@ class ModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
         self.sampler = Sampler(hf_config.vocab_size, self.device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: DecodeCudaGraphs | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+        return sum(self.block_size * math.prod(shape) * elem for a in self.attn_layers for shape in a.cache_shapes())
+
+    def _alloc_caches(self, num_blocks: int) -> list[list[torch.Tensor]]:
+        return [
+            [torch.zeros((num_blocks, self.block_size, *shape), dtype=self.dtype, device=self.device) for shape in a.cache_shapes()]
+            for a in self.attn_layers
+        ]
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: the override if set; on a GPU, what ``gpu_memory_utilization``
@@ -84,13 +93,9 @@ class ModelRunner:
         """A forward over ``num_tokens`` prompt tokens with a scratch one-block KV cache per
         layer, to measure peak activation memory."""
         bs = self.block_size
-        scratch = []
-        for a in self.attn_layers:
-            n = -(-num_tokens // bs)
-            k = torch.zeros(n, bs, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
-            scratch.append((k, torch.zeros_like(k)))
-        self._bind(scratch)
         n_blocks = -(-num_tokens // bs)
+        scratch = self._alloc_caches(n_blocks)
+        self._bind(scratch)
         batch = ForwardBatch(
             input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
             positions=torch.arange(num_tokens, device=self.device) % self.max_model_len,
@@ -108,12 +113,8 @@ class ModelRunner:
         self._bind([])
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        caches = []
-        for a in self.attn_layers:
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)))
-        self.kv_caches = caches
-        self._bind(caches)
+        self.kv_caches = self._alloc_caches(num_blocks)
+        self._bind(self.kv_caches)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
@@ -130,8 +131,8 @@ class ModelRunner:
         self.graphs = graphs
 
     def _bind(self, caches) -> None:
-        for a, kv in zip(self.attn_layers, caches or [(None, None)] * len(self.attn_layers)):
-            a.bind(kv[0], kv[1], self.backend)
+        for i, a in enumerate(self.attn_layers):
+            a.bind(caches[i] if caches else [None] * len(a.cache_shapes()), self.backend)
 
     # -- the step ---------------------------------------------------------------------------
 
