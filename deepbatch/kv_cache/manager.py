@@ -98,6 +98,12 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones (and
         after ``computed_blocks``, prefix hits being attached now). Returns the newly allocated
         block ids, or None, changing nothing, when the pool cannot supply them."""
+        if not computed_blocks:
+            # Fast path (every decode step): the last block still has room.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(request.block_ids) * self.block_size:
+                self._cache_full_blocks(request, end)
+                return []
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         have = len(request.block_ids) + len(computed_blocks)

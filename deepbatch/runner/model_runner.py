@@ -163,8 +163,13 @@ class ModelRunner:
             tables[i, : len(s.request.block_ids)] = s.request.block_ids
         dev = self.device
 
+        pin = dev.type == "cuda"
+
         def t(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype, non_blocking=True)
+            # Pinned host memory makes the copy truly asynchronous: it queues behind the previous
+            # step's kernels instead of waiting for them.
+            host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            return (host.pin_memory() if pin else host).to(device=dev, non_blocking=True)
 
         return ForwardBatch(
             input_ids=t(np.concatenate(ids).astype(np.int64, copy=False), torch.long),

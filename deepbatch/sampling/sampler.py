@@ -113,28 +113,34 @@ class Sampler:
     # -- sampling ---------------------------------------------------------------------------
 
     def _sample(self, logits, requests):
-        dev = logits.device
         params = [r.sampling_params for r in requests]
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev).unsqueeze(1)
-        scaled = logits / temp
-
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
-            scaled = _top_k_top_p(scaled, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        # One host->device copy of every per-row parameter (pinned, so it does not wait on the
+        # step's kernels): rows are greedy, temperature, top_k, top_p, min_p.
+        table = self._to_device([
+            [float(p.greedy) for p in params],
+            [1.0 if p.greedy else p.temperature for p in params],
+            [float(p.top_k if p.top_k > 0 else self.vocab_size) for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        ])
+        greedy, temp, top_k, top_p, min_p = table
+        scaled = logits / temp.unsqueeze(1)
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
+            scaled = _top_k_top_p(scaled, top_k.long(), top_p)
         probs = scaled.softmax(dim=-1)
-        if any(m > 0 for m in min_p):
-            mp = torch.tensor(min_p, device=dev).unsqueeze(1)
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if any(p.min_p > 0 for p in params):
+            probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
 
         q = torch.empty_like(probs).exponential_()
         for i, r in enumerate(requests):
             if r.sampling_params.seed is not None and not r.sampling_params.greedy:
                 q[i].exponential_(generator=self._generator(r))
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy.bool(), logits.argmax(dim=-1), sampled)
+
+    def _to_device(self, rows: list[list[float]]) -> torch.Tensor:
+        t = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     @staticmethod
     def _gather_logprobs(logprobs, sampled, params):
