@@ -68,15 +68,29 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    policy: str = "fcfs"  # "fcfs" | "priority"
+    policy: str = "fcfs"  # "fcfs" | "priority" | "fair" (per-tenant fair share)
+    # Priority policy: a waiting request's priority improves by one every this many seconds.
+    priority_aging_s: float = 30.0
+    # Per-tenant limits (None: unlimited).
+    tenant_max_running: int | None = None
+    tenant_max_tokens_per_minute: int | None = None
+    # Static batching (only to reproduce static-vs-continuous comparisons): admit a new batch of
+    # at most this many requests only once the previous batch has fully finished.
+    static_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "fair"):
+            raise ValueError(f"policy: must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
+        if self.priority_aging_s < 0:
+            raise ValueError(f"priority_aging_s: must be >= 0, got {self.priority_aging_s}")
+        for name in ("tenant_max_running", "tenant_max_tokens_per_minute", "static_batch_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}: must be >= 1, got {v}")
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,23 @@ chunk of its prompt, a prefix-cache hit skips tokens, and a preempted request re
 prompt plus output. There is no prefill phase and no decode phase; everything falls out of that
 rule.
 
-When the KV cache cannot supply blocks for a running request, the scheduler preempts (by
-recompute) the running request that sorts last: lowest priority, then latest arrival. A
-preempted request goes back to the front of the waiting queue and keeps its arrival time.
+The policy (``scheduler/policy.py``) only orders the queues and sets limits. When the KV cache
+cannot supply blocks for a running request, the scheduler preempts (by recompute) the running
+request that sorts last (by default: lowest priority, then latest arrival). A preempted request
+keeps its arrival time and priority, so it goes back to its place in line.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deepbatch.config import SchedulerConfig
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.kv_cache.manager import KVCacheManager
+from deepbatch.scheduler.policy import make_policy
 
 
 @dataclass
@@ -51,15 +54,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-def _order_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.arrival_time)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock  # policies age and rate-limit against it; tests pass a fake one
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.policy = make_policy(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -68,18 +70,20 @@ class Scheduler:
     # -- queue -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.policy.on_arrival(request, self.active_tenants())
         self.requests[request.request_id] = request
-        if self.config.policy == "priority":
-            # Insert behind every request that sorts before it (stable among equals).
-            idx = len(self.waiting)
-            key = _order_key(request)
-            for i, other in enumerate(self.waiting):
-                if key < _order_key(other):
-                    idx = i
-                    break
-            self.waiting.insert(idx, request)
-        else:
-            self.waiting.append(request)
+        # Insert in policy order (behind equals); schedule() re-sorts, since keys move with time
+        # and service.
+        now = self.clock()
+        key = self.policy.key(request, now)
+        if not self.waiting or not key < self.policy.key(self.waiting[-1], now):
+            self.waiting.append(request)  # the common case: it sorts last
+            return
+        idx = next(i for i, r in enumerate(self.waiting) if key < self.policy.key(r, now))
+        self.waiting.insert(idx, request)
+
+    def active_tenants(self) -> set[str]:
+        return {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request from outside (abort, stop string). Frees its blocks at once."""
@@ -87,7 +91,7 @@ class Scheduler:
         if request is None:
             return None
         if request in self.running:
-            self.running.remove(request)
+            self._remove_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, status)
@@ -109,62 +113,60 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        now = time.monotonic()
+        now = self.clock()
+        policy = self.policy
+        self.running.sort(key=lambda r: policy.victim_key(r, now))
+        self.waiting = deque(sorted(self.waiting, key=lambda r: policy.key(r, now)))
+        if policy.preemptive:
+            self._preempt_for_waiting(out, budget, now)
 
-        self.running.sort(key=_order_key)
-        scheduled_ids: set[str] = set()
+        # Running requests first, in policy order; victims come from the end of that order.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
-                # Preempt whoever sorts last; possibly the request itself.
-                victim = self.running[-1]
+                victim = self.running[-1]  # possibly the request itself
                 if victim is request and len(self.running) == 1:
-                    # Alone and still no room: it can never fit.
                     self.running.pop()
-                    self.requests.pop(request.request_id, None)
-                    request.error = "request does not fit in the KV cache even when run alone"
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-                    out.finished.append(request)
+                    self.policy.on_released(request)
+                    self._fail_never_fits(request, out)
                     break
                 self.running.pop()
+                self.policy.on_released(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(request, num_new))
-                scheduled_ids.add(request.request_id)
+                policy.on_scheduled(request, num_new, now)
                 budget -= num_new
                 i += 1
-                continue
-            # The request was preempted or finished; self.running shrank at or after i.
 
-        # Preempted requests keep their place in line: the front under FCFS, their sorted place
-        # under the priority policy (never ahead of a higher-priority waiting request).
+        # Preempted requests keep their arrival (and priority), so sorting puts them back in
+        # their place in line: ahead of later arrivals, behind higher-priority requests.
         if out.preempted:
-            if self.config.policy == "priority":
-                self.waiting = deque(sorted([*self.waiting, *out.preempted], key=_order_key))
-            else:
-                for request in sorted(out.preempted, key=_order_key, reverse=True):
-                    self.waiting.appendleft(request)
+            self.waiting = deque(sorted([*self.waiting, *out.preempted], key=lambda r: policy.key(r, now)))
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Then waiting requests, in policy order, while budget and seats last.
+        static = self.config.static_batch_size
+        seats = self.config.max_num_seqs if static is None else (min(static, self.config.max_num_seqs) if not self.running else 0)
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < seats:
             request = self.waiting[0]
             if request in out.preempted:
-                break  # do not re-admit in the step that preempted it
+                break  # not re-admitted in the step that preempted it
+            if not policy.admissible(request, now):
+                skipped.append(self.waiting.popleft())  # over its tenant's limits; others may go
+                continue
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
                 if self.running:
-                    break  # head of line waits; the running requests free blocks as they finish
-                # Nothing holds blocks and it still does not fit: it never will.
-                self.waiting.popleft()
-                self.requests.pop(request.request_id, None)
-                request.error = "request does not fit in the KV cache even when run alone"
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                out.finished.append(request)
+                    break  # head of line waits; running requests free blocks as they finish
+                self.waiting.popleft()  # nothing holds blocks and it still does not fit
+                self._fail_never_fits(request, out)
                 continue
             self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
@@ -175,9 +177,30 @@ class Scheduler:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            policy.on_admitted(request)
+            policy.on_scheduled(request, num_new, now)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _preempt_for_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Priority without inversion: while the best waiting request sorts before the last
+        running one and is blocked by seats or KV blocks, the running one gives way."""
+        policy = self.policy
+        while self.waiting and self.running:
+            head, last = self.waiting[0], self.running[-1]
+            if not policy.key(head, now) < policy.key(last, now):
+                return
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            first_chunk = min(head.num_tokens, budget)
+            blocks_short = self.kv_cache.blocks_needed(first_chunk) > self.kv_cache.pool.num_free_blocks
+            if not (seats_full or blocks_short):
+                return
+            self.running.pop()
+            policy.on_released(last)
+            self._preempt(last)
+            out.preempted.append(last)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance counters after the model ran; append sampled tokens; return the requests that
@@ -192,7 +215,7 @@ class Scheduler:
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
-                self.running.remove(request)
+                self._remove_running(request)
                 self.requests.pop(request.request_id, None)
                 self._finish(request, status)
                 finished.append(request)
@@ -212,6 +235,16 @@ class Scheduler:
         if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.policy.on_released(request)
+
+    def _fail_never_fits(self, request: Request, out: SchedulerOutput) -> None:
+        self.requests.pop(request.request_id, None)
+        request.error = "request does not fit in the KV cache even when run alone"
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        out.finished.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -50,7 +50,9 @@ def make_scheduler(
     caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy)
+    # Arrival times here are synthetic small numbers, so aging (which compares them with the
+    # clock) is off.
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy, priority_aging_s=0)
     return Scheduler(cfg, kv, max_model_len)
 
 
