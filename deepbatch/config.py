@@ -77,6 +77,11 @@ class SchedulerConfig:
     # Static batching (only to reproduce static-vs-continuous comparisons): admit a new batch of
     # at most this many requests only once the previous batch has fully finished.
     static_batch_size: int | None = None
+    # "greedy": admit whenever the prompt's blocks are free. "predictive": admit only when the
+    # prompt plus the expected rest of its output, plus the expected growth of running requests
+    # and a watermark, fit the free blocks, so running requests are rarely preempted.
+    admission: str = "greedy"
+    kv_watermark: float = 0.01  # fraction of all blocks kept free at admission
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -85,6 +90,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority", "fair"):
             raise ValueError(f"policy: must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
+        if self.admission not in ("greedy", "predictive"):
+            raise ValueError(f"admission: must be 'greedy' or 'predictive', got {self.admission!r}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s: must be >= 0, got {self.priority_aging_s}")
         for name in ("tenant_max_running", "tenant_max_tokens_per_minute", "static_batch_size"):

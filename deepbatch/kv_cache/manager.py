@@ -13,6 +13,7 @@ A request's blocks cover its tokens in order; token ``i`` lives in slot
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 import xxhash
 
@@ -20,6 +21,25 @@ from deepbatch.engine.request import Request
 from deepbatch.kv_cache.block_pool import BlockPool
 
 _ROOT_HASH = 0
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """Where the KV slots are. ``usage`` is vLLM's meaning (blocks not free / all blocks);
+    ``token_usage`` counts slots that hold a token (running requests' KV, deduplicated across
+    shared prefix blocks, plus full blocks kept only by the prefix cache); internal
+    fragmentation is the share of allocated slots that hold no token (the unfilled tails of
+    each request's last block)."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    cached_free_blocks: int  # free, but still holding prefix-cache KV
+    used_blocks: int  # referenced by running requests
+    used_slots_with_tokens: int
+    usage: float
+    token_usage: float
+    internal_fragmentation: float
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -49,6 +69,31 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def stats(self, running: list[Request]) -> KVCacheStats:
+        """Accounting over the running requests' blocks (O(their blocks): call it for metrics,
+        not on the hot path)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for r in running:
+            n = r.num_computed_tokens
+            for i, b in enumerate(r.block_ids):
+                fill[b] = max(min(bs, max(0, n - i * bs)), fill.get(b, 0))
+        cached_free = self.pool.num_cached_free_blocks
+        used_blocks = self.pool.num_blocks - self.pool.num_free_blocks
+        tokens_in_used = sum(fill.values())
+        allocated_slots = used_blocks * bs
+        return KVCacheStats(
+            num_blocks=self.pool.num_blocks,
+            block_size=bs,
+            free_blocks=self.pool.num_free_blocks,
+            cached_free_blocks=cached_free,
+            used_blocks=used_blocks,
+            used_slots_with_tokens=tokens_in_used,
+            usage=self.pool.usage(),
+            token_usage=(tokens_in_used + cached_free * bs) / (self.pool.num_blocks * bs),
+            internal_fragmentation=(allocated_slots - tokens_in_used) / allocated_slots if allocated_slots else 0.0,
+        )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

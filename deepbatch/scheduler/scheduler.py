@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Mean output length of finished requests (exponential moving average): the expected
+        # output of a request that has not said otherwise, for predictive admission.
+        self.expected_output_len = 256.0
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -162,6 +165,8 @@ class Scheduler:
                 continue
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.config.admission == "predictive" and self.running and not self._predicted_fit(request, hits):
+                break  # would likely force a preemption later; wait for room
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
                 if self.running:
                     break  # head of line waits; running requests free blocks as they finish
@@ -183,6 +188,18 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _expected_total(self, request: Request) -> int:
+        """Tokens the request is expected to hold when it finishes."""
+        expected_out = min(request.max_tokens, max(int(self.expected_output_len), request.num_output_tokens + 1))
+        return request.num_prompt_tokens + expected_out
+
+    def _predicted_fit(self, request: Request, hits: list[int]) -> bool:
+        kv = self.kv_cache
+        growth = sum(max(0, kv.blocks_needed(self._expected_total(r)) - len(r.block_ids)) for r in self.running)
+        need = kv.blocks_needed(self._expected_total(request)) - len(hits)
+        reserve = int(self.config.kv_watermark * kv.num_blocks)
+        return need + growth + reserve <= kv.pool.num_free_blocks
 
     def _preempt_for_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         """Priority without inversion: while the best waiting request sorts before the last
@@ -254,6 +271,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.expected_output_len += 0.1 * (request.num_output_tokens - self.expected_output_len)
         self.kv_cache.free(request)
         request.status = status
         request.finished_time = time.monotonic()
