@@ -43,6 +43,8 @@ class ModelConfig:
     seed: int = 0
     random_weights: bool = False  # build from config.json with seeded random weights (benchmarks)
     tokenizer: str | None = None
+    # Where the config and tokenizer converted from a GGUF file are cached (None: no cache).
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from deepbatch import envs
 from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.engine.outputs import RequestOutput
@@ -38,18 +39,28 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
+        admission: str = "greedy",
     ):
         device = device or default_device()
-        torch.manual_seed(seed)
         config = EngineConfig(
-            model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer),
+            model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
+                              envs.DEEPBATCH_CACHE_DIR),
             cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
         )
+        torch.manual_seed(seed)
         self.engine = LLMEngine(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an already-built engine config (the CLI builds one from its flags)."""
+        llm = cls.__new__(cls)
+        torch.manual_seed(config.model.seed)
+        llm.engine = LLMEngine(config)
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer

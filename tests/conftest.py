@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
+import deepbatch  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One GGUF conversion cache for the whole run (servers started by the tests inherit it), kept out
+# of the user's home.
+os.environ.setdefault("DEEPBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="deepbatch-cache-"))
 # Triton reads TRITON_INTERPRET when a kernel is defined (at import), so it must be set before
 # anything imports deepbatch: without a GPU every Triton kernel runs in the interpreter.
 if not torch.cuda.is_available():

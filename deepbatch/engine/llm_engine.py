@@ -42,8 +42,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.source = resolve_model(config.model.model)
-        self.hf_config = load_hf_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer)
+        self.hf_config = load_hf_config(self.source, config.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.cache_dir)
         native_len = max_model_len_of(self.hf_config, None)
         self.max_model_len = max_model_len_of(self.hf_config, config.model.max_model_len)
         if self.max_model_len > native_len:
@@ -130,6 +130,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({n_prompt}) + max_tokens ({max_tokens}) can never fit in the KV cache "
                 f"({self.kv_cache.capacity_tokens} tokens)", code="context_length_exceeded")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
         params = replace(params, _eos_token_ids=self.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         out = []
@@ -255,4 +257,5 @@ class LLMEngine:
             error=errors[0] if errors else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((r.finished_time or 0.0) for r in children) or None),
+            tenant=first.tenant,
         )

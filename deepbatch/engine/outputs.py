@@ -42,3 +42,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None
+    tenant: str = "default"

@@ -46,26 +46,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+class GGUFWeights:
+    """The tensors of one GGUF file as ``(hf_name, float32 tensor)`` pairs; the file is parsed
+    once and its length is known up front (for the progress bar)."""
 
-    reader = GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
-    n_head = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            w = _unpermute(w, n_head)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            w = _unpermute(w, n_kv)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    def __init__(self, path: str, config):
+        from gguf import GGUFReader
 
+        self.reader = GGUFReader(path)
+        self.arch = str(self.reader.fields["general.architecture"].contents())
+        self.n_head = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_head
 
-def num_gguf_tensors(path: str) -> int:
-    from gguf import GGUFReader
+    def __len__(self) -> int:
+        return len(self.reader.tensors)
 
-    return len(GGUFReader(path).tensors)
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
+            if self.arch == "llama" and name.endswith("q_proj.weight"):
+                w = _unpermute(w, self.n_head)
+            elif self.arch == "llama" and name.endswith("k_proj.weight"):
+                w = _unpermute(w, self.n_kv)
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))

@@ -63,11 +63,36 @@ def resolve_model(model: str | None) -> ModelSource:
     )
 
 
-def load_hf_config(source: ModelSource):
+def gguf_cache_dir(source: ModelSource, cache_root: str | None) -> str | None:
+    """Where the config and tokenizer converted from a GGUF file are kept, keyed by the file's
+    identity and the transformers version (converting them parses the whole file, which costs
+    more than loading the weights)."""
+    if cache_root is None or source.kind != "gguf":
+        return None
+    import hashlib
+
+    import transformers
+
+    st = os.stat(source.path)
+    key = f"{os.path.abspath(source.path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    return os.path.join(cache_root, "gguf", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _cached(cache: str | None, marker: str) -> bool:
+    return cache is not None and os.path.isfile(os.path.join(cache, marker))
+
+
+def load_hf_config(source: ModelSource, cache_root: str | None = None):
     from transformers import AutoConfig
 
     if source.kind == "gguf":
-        return AutoConfig.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+        cache = gguf_cache_dir(source, cache_root)
+        if _cached(cache, "config.json"):
+            return AutoConfig.from_pretrained(cache)
+        config = AutoConfig.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+        if cache is not None:
+            _save_quietly(config, cache)
+        return config
     if source.kind == "config":
         with open(source.path) as f:
             raw = json.load(f)
@@ -75,19 +100,40 @@ def load_hf_config(source: ModelSource):
     return AutoConfig.from_pretrained(source.path, local_files_only=True)
 
 
-def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None, cache_root: str | None = None):
     """The HF tokenizer (with chat template), or None where the model ships none (token ids only)."""
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+        cache = gguf_cache_dir(source, cache_root)
+        if _cached(cache, "tokenizer_config.json"):
+            return AutoTokenizer.from_pretrained(cache)
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+        if cache is not None:
+            _save_quietly(tok, cache)
+        return tok
     if source.kind == "config" or not any(
         os.path.isfile(os.path.join(source.path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):
         return None  # token ids in, token ids out
     return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+
+
+def _save_quietly(obj, directory: str) -> None:
+    """Write into the cache atomically enough: a failed write leaves no marker file behind."""
+    import logging
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            obj.save_pretrained(tmp)
+            for name in sorted(os.listdir(tmp), key=lambda n: n.endswith("config.json")):  # markers last
+                os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    except OSError as e:  # a read-only home is no reason to fail
+        logging.getLogger(__name__).warning("could not cache the converted GGUF metadata in %s: %s", directory, e)
 
 
 def iter_safetensors(directory: str):
@@ -125,9 +171,10 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
         _init_random(model, config.seed)
     else:
         if source.kind == "gguf":
-            from deepbatch.models.gguf_loader import iter_gguf_weights, num_gguf_tensors
+            from deepbatch.models.gguf_loader import GGUFWeights
 
-            weights, total = iter_gguf_weights(source.path, hf_config), num_gguf_tensors(source.path)
+            weights = GGUFWeights(source.path, hf_config)
+            total = len(weights)
         else:
             weights, total = iter_safetensors(source.path), None
         with torch.no_grad():

@@ -9,6 +9,8 @@ _MODELS = {
     "MistralForCausalLM": ("deepbatch.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("deepbatch.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("deepbatch.models.llama", "Qwen3ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepbatch.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepbatch.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 _MODEL_TYPES = {
@@ -16,6 +18,8 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -53,3 +53,27 @@ def test_stop_string_truncates(smollm_llm):
                               use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == "7"
     assert "7" not in out.text and "6" in out.text
+
+
+def test_gguf_metadata_cache_round_trips(tmp_path):
+    from deepbatch.models.loader import gguf_cache_dir, load_hf_config, load_tokenizer, resolve_model
+
+    source = resolve_model(None)
+    fresh_cfg, fresh_tok = load_hf_config(source), load_tokenizer(source)
+    cfg1, tok1 = load_hf_config(source, str(tmp_path)), load_tokenizer(source, None, str(tmp_path))
+    cache = gguf_cache_dir(source, str(tmp_path))
+    assert os.path.isfile(os.path.join(cache, "config.json"))
+    assert os.path.isfile(os.path.join(cache, "tokenizer_config.json"))
+    cfg2, tok2 = load_hf_config(source, str(tmp_path)), load_tokenizer(source, None, str(tmp_path))
+    for cfg in (cfg1, cfg2):
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                    "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "eos_token_id"):
+            assert getattr(cfg, key) == getattr(fresh_cfg, key), key
+    text = "Hello, world! Ünïcödé and   spaces\n\tdone."
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    for tok in (tok1, tok2):
+        assert tok.encode(text) == fresh_tok.encode(text)
+        assert tok.chat_template == fresh_tok.chat_template
+        assert list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]) == \
+            list(fresh_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+        assert tok.eos_token_id == fresh_tok.eos_token_id

@@ -1,0 +1,191 @@
+"""Prometheus metrics with vLLM's names and meanings, plus the periodic stats log line.
+
+Two sources:
+- engine state (running, waiting, KV usage, prefix cache, preemptions) is read at scrape time
+  from the engine thread's published ``EngineSnapshot``; nothing here touches the scheduler;
+- per-request metrics (token counters, request_success, latency histograms) are observed on the
+  engine thread from every ``RequestOutput``, so they count exactly what clients are sent:
+  prompt_tokens adds a request's prompt length once, when its first token is out (prefix hits
+  included, as in vLLM); generation_tokens adds every token of every choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deepbatch.engine.async_engine import AsyncEngine, EngineSnapshot
+from deepbatch.engine.outputs import RequestOutput
+
+logger = logging.getLogger("deepbatch.stats")
+MAX_TENANT_LABELS = 100
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read the same.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineCollector:
+    """Gauges and engine-owned counters, computed from the snapshot when scraped."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        snap: EngineSnapshot = self.engine.snapshot()
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", snap.kv_cache_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      snap.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      snap.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+                      snap.num_preemptions)
+        kv = snap.kv_stats
+        if kv is not None:
+            yield gauge("deepbatch:kv_cache_token_usage_perc",
+                        "KV slots holding a token (running requests, shared blocks once, plus prefix-cache-only "
+                        "blocks) over all slots.", kv.token_usage)
+            yield gauge("deepbatch:kv_cache_internal_fragmentation_perc",
+                        "Allocated KV slots holding no token over allocated slots.", kv.internal_fragmentation)
+            yield gauge("deepbatch:kv_cache_free_blocks", "Free KV blocks (including prefix-cache-only ones).",
+                        kv.free_blocks)
+            yield gauge("deepbatch:kv_cache_prefix_only_blocks",
+                        "Free KV blocks that still hold reusable prefix-cache KV.", kv.cached_free_blocks)
+            yield gauge("deepbatch:kv_cache_blocks_total", "KV blocks in the pool.", kv.num_blocks)
+
+
+@dataclass
+class _Progress:
+    """Engine-thread bookkeeping of one request between outputs."""
+
+    started: bool = False
+    tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens seen
+    last_token_time: dict[int, float] = field(default_factory=dict)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=reg).labels(model_name)
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                labels + ["finished_reason"], registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=_TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        tl = labels + ["tenant"]
+        self._tenant_requests = Counter("deepbatch:tenant_requests", "Finished requests per tenant.", tl, registry=reg)
+        self._tenant_tokens = Counter("deepbatch:tenant_generation_tokens", "Generated tokens per tenant.", tl,
+                                      registry=reg)
+        self._tenant_ttft = Histogram("deepbatch:tenant_time_to_first_token_seconds", "Time to first token per tenant.",
+                                      tl, buckets=_TTFT_BUCKETS, registry=reg)
+        self._tenants: set[str] = set()
+        self.model_name = model_name
+        reg.register(_EngineCollector(engine, model_name))
+        self._progress: dict[str, _Progress] = {}
+        engine.add_observer(self.observe)
+
+    def _tenant_label(self, tenant: str) -> str:
+        # Tenants come from a client-chosen field: cap the label set so no client can grow the
+        # metrics without bound.
+        if tenant in self._tenants or len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(tenant)
+            return tenant
+        return "other"
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the engine thread after each iteration."""
+        now = time.monotonic()
+        for out in outputs:
+            p = self._progress.setdefault(out.request_id, _Progress())
+            m = out.metrics
+            for c in out.outputs:
+                seen = p.tokens.get(c.index, 0)
+                new = len(c.token_ids) - seen
+                if new <= 0:
+                    continue
+                tenant = self._tenant_label(out.tenant)
+                if not p.started:
+                    p.started = True
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    if m is not None:
+                        ttft = max((m.first_token_time or now) - m.arrival_time, 0.0)
+                        self.ttft.observe(ttft)
+                        self._tenant_ttft.labels(self.model_name, tenant).observe(ttft)
+                self._tenant_tokens.labels(self.model_name, tenant).inc(new)
+                if seen and c.index in p.last_token_time:
+                    # One step can add several tokens to a choice only after coalescing; spread the gap.
+                    gap = (now - p.last_token_time[c.index]) / new
+                    for _ in range(new):
+                        self.itl.observe(gap)
+                p.tokens[c.index] = len(c.token_ids)
+                p.last_token_time[c.index] = now
+                self.generation_tokens.inc(new)
+            if out.finished:
+                self._progress.pop(out.request_id, None)
+                self._tenant_requests.labels(self.model_name, self._tenant_label(out.tenant)).inc()
+                for c in out.outputs:
+                    self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+                if m is not None:
+                    self.e2e.observe(max((m.finished_time or now) - m.arrival_time, 0.0))
+                    if m.first_scheduled_time is not None:
+                        self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+
+
+async def log_stats_periodically(engine: AsyncEngine, interval: float) -> None:
+    """One line every ``interval`` seconds while the engine is busy (vLLM's format)."""
+    last, last_t = engine.snapshot(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        snap, now = engine.snapshot(), time.monotonic()
+        busy = snap.num_steps != last.num_steps or snap.num_running or snap.num_waiting
+        if busy:
+            dt = max(now - last_t, 1e-9)
+            queries = snap.prefix_cache_queries - last.prefix_cache_queries
+            hits = snap.prefix_cache_hits - last.prefix_cache_hits
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                (snap.num_prompt_tokens - last.num_prompt_tokens) / dt,
+                (snap.num_generation_tokens - last.num_generation_tokens) / dt,
+                snap.num_running, snap.num_waiting, 100.0 * snap.kv_cache_usage,
+                100.0 * hits / queries if queries else 0.0,
+            )
+        last, last_t = snap, now

@@ -1,0 +1,379 @@
+"""The OpenAI completions and chat endpoints on top of ``AsyncEngine``.
+
+Outputs from the engine are cumulative; this module turns them into OpenAI replies, and for
+streaming into per-choice deltas. While a choice with stop strings is running, the last
+``len(longest stop) - 1`` characters are held back: they may turn out to be the start of a stop
+string that the final text drops, and a streamed character cannot be taken back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deepbatch.api.errors import APIError, bad_request, error_body
+from deepbatch.api.protocol import (
+    ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogProbsContent, ChatResponseMessage, ChatStreamChoice, ChatTokenLogProb, CompletionChoice, CompletionChunk,
+    CompletionLogProbs, CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest,
+)
+from deepbatch.api.sse import SSEResponse, run_until_disconnect
+from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError, RequestStream
+from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
+from deepbatch.engine.outputs import CompletionOutput, RequestOutput
+from deepbatch.engine.sampling_params import SamplingParams
+
+_TEMPLATE_RESERVED = {"tokenize", "add_generation_prompt", "return_dict", "return_tensors", "conversation"}
+
+
+def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> APIError:
+    """The HTTP answer to an error raised while accepting a request."""
+    if isinstance(e, InvalidRequestError):
+        param = (param_alias or {}).get(e.param, e.param)
+        return APIError(400, e.message, param=param, code=e.code)
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, EngineDrainingError):
+        return APIError(503, str(e), code="server_draining")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    raise e
+
+
+@dataclass(frozen=True)
+class _StreamSpec:
+    n: int
+    include_usage: bool
+    chat: bool
+    echo: bool = False
+    hold: int = 0  # characters held back while running (longest stop string - 1)
+    top_logprobs: int = 0
+
+
+@dataclass
+class _ChoiceState:
+    """What has been streamed of one choice so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str]):
+        self.engine = engine
+        self.model_names = served_model_names
+        self.vocab_size = engine.engine.hf_config.vocab_size
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.model_names:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tok = self.engine.tokenizer
+            text = tok.decode([token_id]) if tok is not None else str(token_id)
+            self._token_text[token_id] = text
+        return text
+
+    # -- requests -> engine ---------------------------------------------------------------------
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        param_alias: dict[str, str] | None = None) -> SamplingParams:
+        bias = None
+        if req.logit_bias is not None:
+            bias = {}
+            for key, value in req.logit_bias.items():
+                try:
+                    token = int(key)
+                except ValueError:
+                    raise bad_request(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias") from None
+                if not 0 <= token < self.vocab_size:
+                    raise bad_request(f"logit_bias: token id {token} is outside [0, {self.vocab_size})", "logit_bias")
+                bias[token] = value
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens, logit_bias=bias,
+            )
+        except InvalidRequestError as e:
+            raise engine_error(e, param_alias) from None
+
+    async def _submit(self, request_id: str, prompts: list, params: SamplingParams, req: SamplingRequest,
+                      param_alias: dict[str, str] | None = None) -> list[RequestStream]:
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(
+                    rid, prompt, params, priority=req.priority, tenant=req.user or "default", arrival_time=arrival))
+        except BaseException as e:
+            for s in streams:  # one bad prompt of several queues nothing
+                self.engine.abort(s.request_id)
+            if isinstance(e, Exception):
+                raise engine_error(e, param_alias) from None
+            raise
+        return streams
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported", "echo")
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        prompt = req.prompt
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, prompts, params, req)
+        if req.stream:
+            spec = _StreamSpec(req.n, _include_usage(req), chat=False, echo=req.echo, hold=_hold(params))
+            return self._sse_response(request_id, streams, spec)
+        outs = await self._final_outputs(streams, raw)
+        if outs is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            prefix = self._prompt_text(out) if req.echo else ""
+            for c in out.outputs:
+                lp = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix)) if c.logprobs is not None else None
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(outs))
+        return JSONResponse(resp.model_dump())
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        # Name the field the client sent in errors about the engine's equivalent.
+        alias = {"logprobs": "top_logprobs"}
+        if req.max_completion_tokens is not None:
+            alias["max_tokens"] = "max_completion_tokens"
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, alias)
+        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+        try:
+            ids = await self.engine.apply_chat_template(
+                [m.to_template() for m in req.messages], add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except InvalidRequestError as e:
+            raise engine_error(e) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, [{"prompt_token_ids": ids}], params, req, alias)
+        if req.stream:
+            spec = _StreamSpec(req.n, _include_usage(req), chat=True, hold=_hold(params),
+                               top_logprobs=req.top_logprobs or 0)
+            return self._sse_response(request_id, streams, spec)
+        outs = await self._final_outputs(streams, raw)
+        if outs is None:
+            return Response(status_code=499)
+        choices = [
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                       logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                       if c.logprobs is not None else None,
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in outs[0].outputs
+        ]
+        resp = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(outs))
+        return JSONResponse(resp.model_dump())
+
+    # -- engine -> replies ----------------------------------------------------------------------
+
+    async def _final_outputs(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
+        """Every request's final output; None if the client went away (its requests are aborted)."""
+        try:
+            outs = await run_until_disconnect(raw, asyncio.gather(*(s.result() for s in streams)))
+        except EngineDeadError as e:
+            raise APIError(500, str(e), code="engine_dead") from None
+        finally:
+            self._abort_unfinished(streams)
+        if outs is not None:
+            for out in outs:
+                if out.error:
+                    raise APIError(500, out.error, code="request_failed")
+        return outs
+
+    async def _stream(self, request_id: str, streams: list[RequestStream], spec: _StreamSpec) -> AsyncIterator[str]:
+        created = int(time.time())
+        states: dict[int, _ChoiceState] = {}
+        finals: dict[int, RequestOutput] = {}
+        chunk_cls = ChatCompletionChunk if spec.chat else CompletionChunk
+        try:
+            if spec.chat:
+                first = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(spec.n)]
+                yield _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=first))
+            async for i, out in _merge(streams):
+                if out.error:
+                    yield _sse_error(APIError(500, out.error, code="request_failed"))
+                    break
+                if out.finished:
+                    finals[i] = out
+                choices = []
+                for c in out.outputs:
+                    index = i * spec.n + c.index
+                    choice = self._delta(out, c, states.setdefault(index, _ChoiceState()), index, spec)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield _sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=choices))
+            else:
+                if spec.include_usage:
+                    usage = self._usage(list(finals.values()))
+                    yield _sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=[],
+                                         usage=usage))
+        except EngineDeadError as e:
+            yield _sse_error(APIError(500, str(e), code="engine_dead"))
+        finally:
+            self._abort_unfinished(streams)
+        yield "data: [DONE]\n\n"
+
+    def _sse_response(self, request_id: str, streams: list[RequestStream], spec: _StreamSpec) -> SSEResponse:
+        return SSEResponse(self._stream(request_id, streams, spec), on_close=lambda: self._abort_unfinished(streams))
+
+    def _abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.finished:
+                self.engine.abort(s.request_id)
+
+    def _delta(self, out: RequestOutput, c: CompletionOutput, st: _ChoiceState, index: int, spec: _StreamSpec):
+        if st.finished:
+            return None
+        prefix = ""
+        if spec.echo and st.text_len == 0 and st.num_tokens == 0:
+            prefix = self._prompt_text(out)
+        end = len(c.text) if c.finished else max(st.text_len, len(c.text) - spec.hold)
+        text = c.text[st.text_len:end]
+        new_tokens = c.token_ids[st.num_tokens:]
+        new_logprobs = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
+        if not text and not prefix and not c.finished and not (new_logprobs and new_tokens):
+            return None
+        offset = st.text_len
+        st.text_len = max(st.text_len, end)
+        st.num_tokens = len(c.token_ids)
+        st.finished = c.finished
+        reason = c.finish_reason if c.finished else None
+        if spec.chat:
+            lp = self._chat_logprobs(new_tokens, new_logprobs, spec.top_logprobs) if new_logprobs is not None else None
+            delta = DeltaMessage(content=text) if text or not c.finished else DeltaMessage()
+            return ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason,
+                                    stop_reason=c.stop_reason if c.finished else None)
+        lp = None
+        if new_logprobs is not None:
+            lp = self._completion_logprobs(new_tokens, new_logprobs, offset + len(prefix))
+        return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=reason,
+                                stop_reason=c.stop_reason if c.finished else None)
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.engine.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    @staticmethod
+    def _usage(outs: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _completion_logprobs(self, token_ids, logprobs, text_offset: int) -> CompletionLogProbs:
+        lp = CompletionLogProbs()
+        for tok, (logprob, top) in zip(token_ids, logprobs):
+            text = self.token_text(tok)
+            lp.tokens.append(text)
+            logprob = _finite(logprob)
+            lp.token_logprobs.append(logprob)
+            alternatives = {self.token_text(t): _finite(v) for t, v in top.items()}
+            alternatives.setdefault(text, logprob)  # the sampled token is always listed (OpenAI legacy)
+            lp.top_logprobs.append(alternatives)
+            lp.text_offset.append(text_offset)
+            text_offset += len(text)
+        return lp
+
+    def _chat_logprobs(self, token_ids, logprobs, top_n: int) -> ChatChoiceLogProbs:
+        content = []
+        for tok, (logprob, top) in zip(token_ids, logprobs):
+            text = self.token_text(tok)
+            alternatives = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append(ChatLogProbsContent(
+                token=text, logprob=_finite(logprob), bytes=list(text.encode()),
+                top_logprobs=[ChatTokenLogProb(token=self.token_text(t), logprob=_finite(v),
+                                               bytes=list(self.token_text(t).encode())) for t, v in alternatives]))
+        return ChatChoiceLogProbs(content=content)
+
+
+def _finite(logprob: float) -> float:
+    # Masked tokens (min_tokens, logit_bias) have -inf logprobs, which JSON cannot carry.
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def _include_usage(req: SamplingRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _hold(params: SamplingParams) -> int:
+    return max(len(s) for s in params.stop) - 1 if params.stop else 0
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Updates of several requests as (index, output), in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out, None))
+        except Exception as e:
+            queue.put_nowait((i, None, e))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _sse(chunk) -> str:
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _sse_error(error: APIError) -> str:
+    return f"data: {json.dumps(error_body(error))}\n\n"

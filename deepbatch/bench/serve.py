@@ -1,0 +1,285 @@
+"""``deepbatch bench serve``: an open-loop load generator for an OpenAI-compatible server.
+
+It sends streaming ``/v1/completions`` requests (token-id prompts, EOS ignored, fixed
+``max_tokens``) on a seeded Poisson (or gamma) arrival schedule or at a fixed concurrency, times
+every chunk, and prints the block ``vllm bench serve`` prints, so the two read side by side.
+
+    python -m deepbatch.bench.serve --workload random-short --request-rate 8 --num-prompts 500 \
+        --goodput ttft:500 tpot:50 --output-json out.json
+    python -m deepbatch.bench.serve --workload random-short --sweep-rates 1,2,4,8,16 --plot sweep.png
+    python -m deepbatch.bench.serve --workload hol --request-rate 4 --hol-long-every 5
+    python -m deepbatch.bench.serve --workload tenants --request-rate 10 --num-prompts 550
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from datetime import datetime, timezone
+
+try:
+    import httpx
+except ImportError:  # some environments ship httpx only under its 2.x distribution name
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+from deepbatch.bench.serve_metrics import (RequestResult, format_report, format_sweep, parse_goodput, per_request,
+                                           plot_sweep, summarize)
+from deepbatch.bench.serve_workloads import WORKLOADS, RequestSpec, build_requests
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    p.add_argument("--model", default=None, help="model name to send; default: the first of GET /v1/models")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s of the arrival process; inf sends every request at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="shape of the gamma-distributed gaps: 1 is Poisson, <1 burstier, >1 more regular")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take, end to end")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before the timed run")
+    p.add_argument("--prompt-type", choices=("ids", "text"), default="ids",
+                   help="prompts as token-id lists (exact lengths) or as text of common words")
+    p.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are uniform in [0, N)")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [L * (1 - r), L * (1 + r)]")
+    p.add_argument("--hol-short-input-len", type=int, default=128)
+    p.add_argument("--hol-short-output-len", type=int, default=64)
+    p.add_argument("--hol-long-len", type=int, default=32768,
+                   help="long prompt tokens (capped by the server's max_model_len when it reports one)")
+    p.add_argument("--hol-long-output-len", type=int, default=16)
+    p.add_argument("--hol-long-every", type=float, default=5.0, help="seconds between long prompts")
+    p.add_argument("--tenant-ratio", type=float, default=10.0, help="heavy tenant's load / light tenant's load")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs per request, e.g. ttft:500 tpot:50 e2el:10000; goodput counts requests meeting all")
+    p.add_argument("--sweep-rates", default=None, help="comma list of rates, e.g. 1,2,4,8; overrides --request-rate")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: goodput and p99 vs rate")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _discover(client: httpx.AsyncClient, args) -> tuple[str, int | None]:
+    """The model to name in requests and the server's max_model_len (None when not reported)."""
+    try:
+        resp = await client.get("/v1/models", headers=_headers(args.api_key))
+        resp.raise_for_status()
+        cards = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        if args.model:
+            return args.model, None
+        raise ValueError(f"cannot list models at {args.base_url}/v1/models ({e}); pass --model") from None
+    card = next((c for c in cards if c.get("id") == args.model), None) if args.model else (cards[0] if cards else None)
+    if card is None and not args.model:
+        raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
+    model = args.model or card["id"]
+    return model, (card or {}).get("max_model_len")
+
+
+async def send_request(client: httpx.AsyncClient, spec: RequestSpec, model: str, args) -> RequestResult:
+    """One streaming completion, timed. Never raises for the server's or the network's faults:
+    they come back as ``success=False`` with ``error`` set, so one bad request cannot end a run."""
+    res = RequestResult(spec.group, spec.prompt_len, spec.output_len)
+    payload = {"model": model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0.0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = _headers(args.api_key)
+    if spec.user is not None:
+        payload["user"] = spec.user
+        headers["X-Tenant-Id"] = spec.user
+    start = last = time.perf_counter()
+    first: float | None = None
+    chunks, usage_tokens, done = 0, None, False
+    try:
+        async with asyncio.timeout(args.timeout):
+            async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode(errors="replace")
+                    res.error = f"HTTP {resp.status_code}: {body[:200]}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments and keep-alives
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if not isinstance(chunk, dict):
+                        raise ValueError(f"not an object: {data[:100]}")
+                    if "error" in chunk:  # errors after the 200 arrive inside the stream
+                        res.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+                        return res
+                    if chunk.get("choices"):
+                        if first is None:
+                            first = now
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                    usage = chunk.get("usage")
+                    if usage:
+                        usage_tokens = usage.get("completion_tokens")
+                        if usage.get("prompt_tokens"):
+                            res.prompt_len = int(usage["prompt_tokens"])
+    except TimeoutError:
+        res.error = f"timeout after {args.timeout:g} s"
+        return res
+    except httpx.HTTPError as e:  # connection refused or reset, a stream cut mid-body
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    except ValueError as e:  # a chunk that is not JSON
+        res.error = f"bad chunk: {e}"
+        return res
+    end = time.perf_counter()
+    if not done:
+        res.error = "stream ended before [DONE]"
+    elif first is None:
+        res.error = "no output chunk"
+    else:
+        res.success = True
+        res.ttft = first - start
+        res.e2el = end - start
+        res.output_tokens = int(usage_tokens) if usage_tokens is not None else chunks
+    return res
+
+
+async def _run_once(client: httpx.AsyncClient, model: str, reqs: list[RequestSpec], args) -> tuple[list[RequestResult], float]:
+    """Sends ``reqs`` at their offsets (one task each, so a slow request never delays the next
+    send) and waits for all of them; returns the results in ``reqs`` order and the wall time."""
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = None
+    if not args.disable_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(reqs), file=sys.stderr, leave=False)
+
+    async def one(spec: RequestSpec) -> RequestResult:
+        async def go() -> RequestResult:
+            sent = time.perf_counter() - t0
+            res = await send_request(client, spec, model, args)
+            res.send_s = sent
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        if sem is None:
+            return await go()
+        async with sem:
+            return await go()
+
+    tasks = []
+    t0 = time.perf_counter()
+    for spec in reqs:
+        delay = t0 + spec.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(spec)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+async def _bench(args) -> dict:
+    slo = parse_goodput(args.goodput)
+    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+    # No pool limit beyond the run's own: a pool queue would add its wait to every TTFT. Proxies
+    # from the environment are ignored; the target is the server named, nothing in between.
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
+                                 trust_env=False) as client:
+        model, max_model_len = await _discover(client, args)
+        config = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": args.base_url,
+                  "model": model, "workload": args.workload, "num_prompts": args.num_prompts, "seed": args.seed,
+                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                  "goodput": {k: v * 1000.0 for k, v in slo.items()}}
+        runs = []
+        for rate in rates:
+            reqs = build_requests(args, rate, max_model_len)
+            for spec in reqs[:args.num_warmups]:
+                await send_request(client, spec, model, args)
+            results, duration = await _run_once(client, model, reqs, args)
+            summary = summarize(results, duration, slo)
+            print(format_report(summary, args.workload, rate, args.max_concurrency), flush=True)
+            errors = sorted({r.error for r in results if r.error})
+            if errors:
+                print(f"{len(errors)} distinct errors, e.g.: {errors[0]}", file=sys.stderr)
+            runs.append({**config, "request_rate": rate, **summary, "requests": per_request(results)})
+    if not args.sweep_rates:
+        return runs[0]
+    rows = [{k: v for k, v in r.items() if k != "requests"} for r in runs]
+    print(format_sweep(rows), flush=True)
+    return {**config, "sweep": runs}
+
+
+def _check(args) -> None:
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be positive")
+    if args.plot and not args.sweep_rates:
+        raise ValueError("--plot draws a rate sweep; give --sweep-rates too")
+    parse_goodput(args.goodput)
+    if args.sweep_rates:
+        try:
+            rates = [float(r) for r in args.sweep_rates.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep-rates takes numbers separated by commas; got {args.sweep_rates!r}") from None
+        if any(not r > 0 for r in rates):
+            raise ValueError("--sweep-rates must be positive")
+
+
+def _json_safe(obj):
+    # JSON has no Infinity; an infinite rate is written as the string "inf".
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the benchmark (each rate of a sweep in turn), prints the report, writes
+    --output-json and --plot, and returns what was written."""
+    _check(args)
+    result = asyncio.run(_bench(args))
+    if args.plot:
+        plot_sweep([{k: v for k, v in r.items() if k != "requests"} for r in result["sweep"]], args.plot,
+                   title=f"{args.workload} - {result['model']}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(_json_safe(result), f, indent=1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="deepbatch bench serve", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        run(args)
+    except ValueError as e:  # bad flags or an unreachable server: a message, not a traceback
+        print(f"deepbatch bench serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

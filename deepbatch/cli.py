@@ -1,0 +1,211 @@
+"""``deepbatch serve | generate | chat`` (vLLM's flag names).
+
+    deepbatch serve [MODEL] --port 8000 --max-model-len 4096 --api-key KEY
+    deepbatch generate "Once upon a time" --max-tokens 32
+    deepbatch chat                       # a REPL; the conversation is kept until EOF
+
+No MODEL means the embedded SmolLM2-135M-Instruct. The server's dependencies (fastapi, uvicorn,
+prometheus_client) are imported only by ``serve``, so ``generate`` and ``chat`` work without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from deepbatch import envs
+
+
+def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None:
+    if positional_model:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="a .gguf file or an HF model directory (default: the embedded SmolLM2)")
+    p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, float16, bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    p.add_argument("--scheduling-policy", default="fcfs",
+                   help="fcfs, priority, or fair (per-tenant fair share; the tenant is the request's 'user')")
+    p.add_argument("--priority-aging-s", type=float, default=30.0,
+                   help="priority policy: a waiting request gains one priority level per this many seconds")
+    p.add_argument("--tenant-max-running", type=int, default=None, help="most running requests per tenant")
+    p.add_argument("--tenant-max-tokens-per-minute", type=int, default=None, help="scheduled tokens per tenant per minute")
+    p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy",
+                   help="predictive: admit only when the expected output also fits, to avoid preemption")
+    p.add_argument("--kv-watermark", type=float, default=0.01, help="fraction of KV blocks kept free at admission")
+    p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
+                   help="static: fixed batches (only to compare against continuous batching)")
+    p.add_argument("--static-batch-size", type=int, default=8, help="batch size of --scheduling static")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The frozen EngineConfig, built as ``LLM.__init__`` builds it."""
+    from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
+
+    model = getattr(args, "model_tag", None) or args.model
+    device = args.device or default_device()
+    return EngineConfig(
+        model=ModelConfig(model, resolve_dtype(args.dtype, device), args.max_model_len, args.seed, False,
+                          args.tokenizer, envs.DEEPBATCH_CACHE_DIR),
+        cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
+                          args.num_gpu_blocks_override),
+        scheduler=SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
+            priority_aging_s=args.priority_aging_s,
+            tenant_max_running=args.tenant_max_running,
+            tenant_max_tokens_per_minute=args.tenant_max_tokens_per_minute,
+            static_batch_size=args.static_batch_size if args.scheduling == "static" else None,
+            admission=args.admission,
+            kv_watermark=args.kv_watermark,
+        ),
+        device=device,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepbatch", description="An LLM serving engine for DeepSeek-family models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(serve, positional_model=True)
+    serve.add_argument("--host", default="0.0.0.0", help="address to bind")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use; the first is reported (default: the model's)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: $DEEPBATCH_API_KEY)")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="waiting sequences beyond which requests get 429 (0: no limit)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, or an online serving load")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from deepbatch.bench import serve as bench_serve
+    from deepbatch.bench import throughput as bench_throughput
+
+    for name, module, text in (("throughput", bench_throughput, "an offline workload against HF peers and the roofline"),
+                               ("serve", bench_serve, "an OpenAI-API load generator against a running server")):
+        p = bench_sub.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=lambda a, m=module: (m.run(a), 0)[1])
+
+    doctor = sub.add_parser("doctor", help="GPUs, memory, cgroup limits and the KV capacity of these settings")
+    _add_engine_args(doctor, positional_model=True)
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=_doctor)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt")
+    _add_engine_args(gen, positional_model=False)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (one line per turn; EOF ends)")
+    _add_engine_args(chat, positional_model=False)
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None, help="a system message to start the conversation")
+    chat.set_defaults(func=_chat)
+    return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from deepbatch import doctor
+
+    return doctor.run(engine_config_from_args(args), args.json)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from deepbatch.api.server import ServerConfig, run_server
+    from deepbatch.engine.async_engine import AsyncEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    config = engine_config_from_args(args)
+    server_config = ServerConfig(
+        host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        api_key=args.api_key or envs.DEEPBATCH_API_KEY, shutdown_timeout=args.shutdown_timeout,
+        max_request_body_bytes=envs.DEEPBATCH_MAX_REQUEST_BODY_BYTES,
+        log_stats_interval=envs.DEEPBATCH_LOG_STATS_INTERVAL,
+    )
+    torch.manual_seed(args.seed)
+    engine = AsyncEngine.from_config(
+        config, max_queued_requests=args.max_queued_requests or None,
+        tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP,
+    )
+    return run_server(engine, server_config)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deepbatch import LLM, SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from deepbatch import LLM, SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:  # EOF
+            return 0
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad flags or model path: a message, not a traceback
+        print(f"deepbatch: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

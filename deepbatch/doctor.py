@@ -1,0 +1,140 @@
+"""``deepbatch doctor``: what this machine offers and what the current settings would give.
+
+GPUs (name, memory, driver, NUMA node, link topology), host memory and its cgroup limit, and
+the KV capacity the engine settings would yield, estimated from the model config without
+loading weights. Plain text, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+
+import torch
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_memory() -> dict:
+    """The cgroup's memory limit and usage in bytes (v2, else v1); None where unlimited/unknown."""
+    v2_max, v2_cur = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if v2_max is not None:
+        return {"version": 2, "limit_bytes": None if v2_max == "max" else int(v2_max),
+                "usage_bytes": int(v2_cur) if v2_cur else None}
+    v1_max = _read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    v1_cur = _read("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+    if v1_max is not None:
+        limit = int(v1_max)
+        return {"version": 1, "limit_bytes": None if limit >= 1 << 60 else limit,
+                "usage_bytes": int(v1_cur) if v1_cur else None}
+    return {"version": None, "limit_bytes": None, "usage_bytes": None}
+
+
+def host_memory() -> dict:
+    info = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            info[key] = int(rest.split()[0]) * 1024
+    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+
+
+def gpus() -> list[dict]:
+    out = []
+    if not torch.cuda.is_available():
+        return out
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        pci = getattr(p, "pci_bus_id", None)
+        numa = None
+        if pci is not None:
+            numa = _read(f"/sys/bus/pci/devices/{str(pci).lower()}/numa_node")
+        out.append({"index": i, "name": p.name, "total_bytes": total, "free_bytes": free,
+                    "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
+                    "numa_node": int(numa) if numa not in (None, "-1") else None})
+    return out
+
+
+def gpu_topology() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10).stdout or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def kv_capacity(config) -> dict:
+    """Tokens of KV the settings would give, from the config alone (weights estimated)."""
+    from deepbatch.bench.roofline import model_cost
+    from deepbatch.models.loader import load_hf_config, max_model_len_of, resolve_model
+
+    source = resolve_model(config.model.model)
+    hf = load_hf_config(source, config.model.cache_dir)
+    elem = torch.tensor([], dtype=config.model.dtype).element_size()
+    cost = model_cost(hf, elem)
+    if config.device.startswith("cuda") and torch.cuda.is_available():
+        _, total = torch.cuda.mem_get_info()
+        budget = total * config.cache.gpu_memory_utilization - cost.weight_bytes
+    else:
+        budget = config.cache.cpu_kv_cache_bytes
+    tokens = max(int(budget // cost.kv_bytes_per_token), 0)
+    return {"model": source.name, "kv_bytes_per_token": cost.kv_bytes_per_token, "weight_bytes_estimate": cost.weight_bytes,
+            "kv_budget_bytes": budget, "kv_capacity_tokens": tokens,
+            "max_model_len": max_model_len_of(hf, config.model.max_model_len)}
+
+
+def report(config) -> dict:
+    rep = {
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host_memory": host_memory(),
+        "cgroup_memory": cgroup_memory(), "gpus": gpus(), "gpu_topology": gpu_topology(),
+    }
+    try:
+        rep["kv"] = kv_capacity(config)
+    except Exception as e:  # a missing model is reported, not fatal
+        rep["kv"] = {"error": str(e)}
+    return rep
+
+
+def format_report(rep: dict) -> str:
+    gib = 2**30
+    lines = [f"platform   {rep['platform']}  python {rep['python']}  torch {rep['torch']}  cuda {rep['cuda']}",
+             f"cpus       {rep['cpus']}"]
+    hm, cg = rep["host_memory"], rep["cgroup_memory"]
+    if hm["total_bytes"]:
+        lines.append(f"memory     {hm['total_bytes'] / gib:.1f} GiB total, {hm['available_bytes'] / gib:.1f} GiB available")
+    limit = f"{cg['limit_bytes'] / gib:.1f} GiB" if cg["limit_bytes"] else "none"
+    usage = f"{cg['usage_bytes'] / gib:.1f} GiB" if cg["usage_bytes"] else "unknown"
+    lines.append(f"cgroup     v{cg['version']} limit {limit}, usage {usage}")
+    for g in rep["gpus"] or []:
+        lines.append(f"gpu {g['index']}      {g['name']} ({g['compute_capability']}, {g['multiprocessors']} SMs), "
+                     f"{g['total_bytes'] / gib:.1f} GiB, {g['free_bytes'] / gib:.1f} free, NUMA {g['numa_node']}")
+    if not rep["gpus"]:
+        lines.append("gpu        none")
+    if rep["gpu_topology"]:
+        lines += ["topology", rep["gpu_topology"].rstrip()]
+    kv = rep["kv"]
+    if "error" in kv:
+        lines.append(f"kv         unavailable: {kv['error']}")
+    else:
+        lines.append(f"kv         {kv['model']}: {kv['kv_bytes_per_token'] / 1024:.1f} KiB per token, budget "
+                     f"{kv['kv_budget_bytes'] / gib:.2f} GiB -> {kv['kv_capacity_tokens']:,} tokens "
+                     f"({kv['kv_capacity_tokens'] / max(kv['max_model_len'], 1):.1f} full contexts of {kv['max_model_len']})")
+    return "\n".join(lines)
+
+
+def run(config, as_json: bool) -> int:
+    rep = report(config)
+    print(json.dumps(rep, indent=2) if as_json else format_report(rep))
+    return 0

@@ -1,0 +1,441 @@
+"""The asyncio front of ``LLMEngine``: one engine thread steps the model beside the event loop.
+
+    event loop (HTTP)                       engine thread (the only caller of LLMEngine)
+    -----------------                       --------------------------------------------
+    add_request: validate + tokenize        loop:  wait on the condition while idle
+      (thread pool) -> inbox ---------->           apply inbox (add / abort)
+    abort(id)            -> inbox ---------->      step() -> outputs
+    RequestStream  <- call_soon_threadsafe <-      observers(outputs); publish snapshot
+
+``LLMEngine`` is not thread-safe, so every call that touches scheduler state happens on the engine
+thread, between steps. The event loop never waits on a step: it only appends to the inbox under
+a lock that is held for a few instructions. ``make_requests`` (validation, tokenization) reads
+only immutable engine state and runs in a thread pool, so a bad request fails synchronously,
+before anything is queued.
+
+A step that raises kills the engine: every in-flight request gets ``EngineDeadError``, new
+requests are refused with it, and the dead callbacks run (the server exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from functools import partial
+
+from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
+from deepbatch.engine.outputs import RequestOutput
+from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.kv_cache.manager import KVCacheStats
+
+logger = logging.getLogger(__name__)
+
+# Longest that ``drain`` waits for aborted requests to be answered once the timeout has passed; a
+# step in progress must end before the engine thread sees the aborts.
+_ABORT_GRACE_S = 30.0
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queued_requests`` sequences; retry later."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is draining for shutdown and accepts no new requests."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counters, copied by the engine thread after each iteration so that readers on other
+    threads never touch scheduler state."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix hits excluded, recompute included)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    # KV accounting (``KVCacheManager.stats``), refreshed at most once a second: it walks every
+    # running request's blocks, which is too much work to repeat on every step.
+    kv_stats: KVCacheStats | None = None
+    kv_stats_time: float = 0.0
+
+
+class RequestStream:
+    """Updates of one request, as an async iterator of cumulative ``RequestOutput``s.
+
+    Updates coalesce: a consumer slower than the engine sees the newest output, never a backlog
+    (outputs are cumulative, so nothing is lost). The final output (``finished``) or an error
+    ends the iteration.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False  # the final output or an error has arrived
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._event = asyncio.Event()
+
+    # Called on the stream's event loop only.
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self.finished = self.finished or output.finished
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self.finished = True
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                self._closed = out.finished
+                return out
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._closed = True
+                raise error
+            if self._closed:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+    async def result(self) -> RequestOutput:
+        """The final output (raises the request's error, if any)."""
+        last = None
+        async for last in self:
+            pass
+        assert last is not None
+        return last
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: dict
+    params: SamplingParams
+    priority: int
+    tenant: str
+    arrival_time: float
+    stream: RequestStream
+    num_seqs: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+# Called on the engine thread with every output of an iteration (metrics); must be quick.
+Observer = Callable[[list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine, *, max_queued_requests: int | None = None, tokenizer_threads: int = 2,
+                 fault_inject_step: int | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._fault_inject_step = fault_inject_step
+        self._pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="deepbatch-tokenize")
+        self._cond = threading.Condition()
+        # Guarded by _cond: the inbox, the sequences it holds, the engine's published waiting count
+        # and the accepting state.
+        self._inbox: list[_Add | _Abort] = []
+        self._pending_seqs = 0
+        self._num_waiting = 0
+        self._draining = False
+        self._stopping = False
+        self._dead: EngineDeadError | None = None
+        self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet answered
+        self._active: dict[str, RequestStream] = {}  # engine-thread side: requests in the engine
+        self._observers: list[Observer] = []
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._snapshot = EngineSnapshot()
+        self._num_step_calls = 0
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> AsyncEngine:
+        from deepbatch.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(config), **kwargs)
+
+    # -- read-only views ------------------------------------------------------------------------
+
+    model_name = property(lambda self: self.engine.model_name)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    tokenizer = property(lambda self: self.engine.tokenizer)
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The newest counters; requests still in the inbox count as waiting."""
+        snap = self._snapshot
+        with self._cond:
+            pending = self._pending_seqs
+        if pending:
+            snap = replace(snap, num_waiting=snap.num_waiting + pending)
+        return snap
+
+    def add_observer(self, observer: Observer) -> None:
+        self._observers.append(observer)
+
+    def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """``callback(error)`` runs on the engine thread once the engine has died."""
+        self._dead_callbacks.append(callback)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._publish_snapshot()
+            self._thread = threading.Thread(target=self._run, name="deepbatch-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (after the step in progress) and the tokenizer pool."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests, let in-flight ones finish for up to ``timeout`` seconds, then abort
+        the rest (they end with finish_reason "abort"). Returns how many were aborted."""
+        with self._cond:
+            self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)
+        while self._streams and not self.is_dead and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        remaining = list(self._streams)
+        for request_id in remaining:
+            self.abort(request_id)
+        deadline = loop.time() + _ABORT_GRACE_S
+        while self._streams and not self.is_dead and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return len(remaining)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+        return await self._in_pool(self.engine.apply_chat_template, messages, **kwargs)
+
+    async def _in_pool(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, *,
+                          priority: int = 0, tenant: str = "default",
+                          arrival_time: float | None = None) -> RequestStream:
+        """Validate (raising InvalidRequestError, QueueFullError, EngineDrainingError or
+        EngineDeadError) and enqueue one request; its updates arrive on the returned stream."""
+        self._check_accepting(0)
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant, arrival)
+        first = requests[0]
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        # Token ids travel to the engine thread, so it never tokenizes (it re-validates cheaply).
+        prompt_dict = {"prompt_token_ids": first.prompt_token_ids, "prompt": first.prompt}
+        cmd = _Add(request_id, prompt_dict, params, priority, tenant, arrival, stream, len(requests))
+        with self._cond:
+            self._check_accepting(len(requests))
+            self._inbox.append(cmd)
+            self._pending_seqs += len(requests)
+            self._cond.notify()
+        self._streams[request_id] = stream
+        return stream
+
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
+                       **kwargs) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its updates; leaving early (or being cancelled) aborts it."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        stream = await self.add_request(request_id, prompt, params, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request and free its KV blocks; non-blocking, safe in ``finally`` during
+        cancellation. The stream receives a final output with finish_reason "abort"."""
+        with self._cond:
+            if self._dead is None and not self._stopping:
+                self._inbox.append(_Abort(request_id))
+                self._cond.notify()
+
+    def _check_accepting(self, num_seqs: int) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._draining or self._stopping:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        limit = self.max_queued_requests
+        if num_seqs and limit is not None and self._pending_seqs + self._num_waiting + num_seqs > limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} sequences); retry later")
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        has_work = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not has_work and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._inbox = self._inbox, []
+                outputs = self._apply(commands)
+                idle = False
+                if engine.has_unfinished_requests():
+                    self._num_step_calls += 1
+                    if self._num_step_calls == self._fault_inject_step:
+                        raise RuntimeError(f"injected fault at engine step {self._num_step_calls}")
+                    steps_before = engine.stats.num_steps
+                    outputs.extend(engine.step())
+                    idle = engine.stats.num_steps == steps_before and not outputs
+                has_work = engine.has_unfinished_requests()
+                self._dispatch(outputs)
+                self._publish_snapshot()
+                if idle and has_work:
+                    # Nothing could be scheduled (waiting on KV blocks that no step will free):
+                    # wake on the next command instead of spinning.
+                    with self._cond:
+                        self._cond.wait(0.01)
+        except BaseException as e:  # noqa: BLE001 - any fault in a step kills the engine
+            self._die(e)
+            return
+        with self._cond:
+            commands, self._inbox = self._inbox, []
+        self._fail_all(EngineDeadError("the engine was shut down"), [c.stream for c in commands if isinstance(c, _Add)])
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+        engine = self.engine
+        outputs: list[RequestOutput] = []
+        added = 0
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                out = engine.abort_request(cmd.request_id)
+                if out is not None:
+                    outputs.append(out)
+                continue
+            added += cmd.num_seqs
+            try:
+                engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.tenant, cmd.arrival_time)
+            except InvalidRequestError as e:  # validated already; answer this request, keep serving
+                self._post(self._deliver_error, [(cmd.stream, e)])
+                continue
+            self._active[cmd.request_id] = cmd.stream
+        with self._cond:
+            self._pending_seqs -= added
+            self._num_waiting = engine.scheduler.num_waiting
+        return outputs
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for observer in self._observers:
+            try:
+                observer(outputs)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("engine output observer failed")
+        pairs = []
+        for out in outputs:
+            stream = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
+            if stream is not None:
+                pairs.append((stream, out))
+        self._post(self._deliver, pairs)
+
+    def _publish_snapshot(self) -> None:
+        e = self.engine
+        now = time.monotonic()
+        kv_stats, kv_time = self._snapshot.kv_stats, self._snapshot.kv_stats_time
+        if kv_stats is None or now - kv_time >= 1.0:
+            kv_stats, kv_time = e.kv_cache.stats(e.scheduler.running), now
+        self._snapshot = EngineSnapshot(
+            kv_stats=kv_stats, kv_stats_time=kv_time,
+            num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
+            kv_cache_usage=e.kv_cache.usage(), prefix_cache_queries=e.kv_cache.num_queried_tokens,
+            prefix_cache_hits=e.kv_cache.num_hit_tokens, num_preemptions=e.scheduler.num_preemptions,
+            num_prompt_tokens=e.stats.num_prompt_tokens, num_generation_tokens=e.stats.num_generation_tokens,
+            num_steps=e.stats.num_steps,
+        )
+        with self._cond:
+            self._num_waiting = e.scheduler.num_waiting
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("engine step failed; the engine is dead", exc_info=exc)
+        message = f"the engine stopped after an error in a model step: {type(exc).__name__}: {exc}"[:1000]
+        error = EngineDeadError(message)
+        with self._cond:
+            self._dead = error
+            commands, self._inbox = self._inbox, []
+            self._pending_seqs = 0
+        # Callbacks first: by the time a client reads its error, the server already reports dead.
+        for callback in self._dead_callbacks:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("dead-engine callback failed")
+        self._fail_all(error, [c.stream for c in commands if isinstance(c, _Add)])
+
+    def _fail_all(self, error: BaseException, extra: list[RequestStream]) -> None:
+        streams = list(self._active.values()) + extra
+        self._active.clear()
+        self._post(self._deliver_error, [(stream, error) for stream in streams])
+
+    @staticmethod
+    def _post(fn, pairs: list[tuple[RequestStream, object]]) -> None:
+        """Run ``fn(pairs)`` on the streams' event loop(s), one callback per loop per iteration."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in pairs:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(fn, items)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                pass
+
+    # -- on the event loop ------------------------------------------------------------------------
+
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        for stream, out in items:
+            stream._put(out)
+            if out.finished:
+                self._streams.pop(stream.request_id, None)
+
+    def _deliver_error(self, items: list[tuple[RequestStream, BaseException]]) -> None:
+        for stream, error in items:
+            stream._fail(error)
+            self._streams.pop(stream.request_id, None)

@@ -1,0 +1,66 @@
+"""Every environment variable deepbatch reads, in one place.
+
+Values are read when accessed (``envs.DEEPBATCH_FAULT_INJECT_STEP``), not at import, so a test
+that sets a variable before starting a server sees it. The edge (CLI, server) reads them and
+passes plain values down; nothing below the edge imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _int_or_none(name: str) -> Callable[[], int | None]:
+    def read() -> int | None:
+        raw = os.environ.get(name, "").strip()
+        return int(raw) if raw else None
+
+    return read
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name, "").strip()
+        return float(raw) if raw else default
+
+    return read
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name, "").strip()
+        return int(raw) if raw else default
+
+    return read
+
+
+_VARIABLES: dict[str, Callable[[], Any]] = {
+    # Testing only: the engine thread raises at its N-th model step (1-based), to exercise the
+    # dead-engine path end to end. Unset in production.
+    "DEEPBATCH_FAULT_INJECT_STEP": _int_or_none("DEEPBATCH_FAULT_INJECT_STEP"),
+    # The server's API key when --api-key is not given (keeps it out of the process list).
+    "DEEPBATCH_API_KEY": lambda: os.environ.get("DEEPBATCH_API_KEY") or None,
+    # Seconds between the server's throughput/occupancy log lines; 0 turns them off.
+    "DEEPBATCH_LOG_STATS_INTERVAL": _float("DEEPBATCH_LOG_STATS_INTERVAL", 10.0),
+    # Largest accepted HTTP request body in bytes (larger bodies get 413 before parsing).
+    "DEEPBATCH_MAX_REQUEST_BODY_BYTES": _int("DEEPBATCH_MAX_REQUEST_BODY_BYTES", 4 << 20),
+    # Where the config and tokenizer converted from GGUF files are cached ("" turns it off).
+    "DEEPBATCH_CACHE_DIR": lambda: os.environ.get(
+        "DEEPBATCH_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "deepbatch")
+    ) or None,
+    # Threads that tokenize prompts and apply chat templates beside the event loop.
+    "DEEPBATCH_TOKENIZER_THREADS": _int("DEEPBATCH_TOKENIZER_THREADS", 2),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        return _VARIABLES[name]()
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return list(_VARIABLES)

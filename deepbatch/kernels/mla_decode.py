@@ -1,0 +1,300 @@
+"""Attention over a paged latent (MLA) cache, in the absorbed form, for a mixed batch of prefill
+chunks and decodes.
+
+Every cached token is one vector ``[c_kv (R) | k_pe (P)]``, shared by all heads (one KV head). The
+query arrives already multiplied into the latent space (``q_latent = q_nope @ W_UK``), so::
+
+    score[h, t] = (q_latent[h] . c_kv[t] + q_pe[h] . k_pe[t]) * scale
+    out[h]      = softmax_t(score[h]) @ c_kv                    (still latent: [H, R])
+
+and the caller applies ``W_UV`` and ``o_proj`` afterwards. Causal semantics are those of
+:mod:`deepbatch.kernels.paged_attention`: sequence ``i`` owns query rows
+``query_start_loc[i] : query_start_loc[i+1]``, the last ``q_len`` positions of its ``seq_lens[i]``
+cached tokens; row ``j`` sees keys ``0 .. seq_len - q_len + j``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
+
+
+def mla_attention_ref(
+    q_latent: torch.Tensor,  # [T, H, R]
+    q_pe: torch.Tensor,  # [T, H, P]
+    latent_cache: torch.Tensor,  # [N, bs, 1, R+P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: torch.Tensor,  # [B+1] int
+    seq_lens: torch.Tensor,  # [B] int
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch reference, one sequence at a time, in float32; also the CPU backend."""
+    if out is None:
+        out = torch.empty_like(q_latent)
+    rank = q_latent.shape[-1]
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        qs, qe = qsl[i], qsl[i + 1]
+        q_len = qe - qs
+        if q_len == 0:
+            continue
+        kv = gather_kv(latent_cache, block_tables[i], seq_len)[:, 0].float()  # [L, R+P]
+        c_kv, k_pe = kv[:, :rank], kv[:, rank:]
+        ql = q_latent[qs:qe].float().transpose(0, 1)  # [H, q_len, R]
+        qp = q_pe[qs:qe].float().transpose(0, 1)  # [H, q_len, P]
+        scores = (ql @ c_kv.T + qp @ k_pe.T) * scale  # [H, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[qs:qe] = (scores.softmax(-1) @ c_kv).transpose(0, 1).to(out.dtype)
+    return out
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference above stays usable without Triton (CPU-only installs)
+    triton = tl = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+# A program handles BLOCK_Q query tokens of one sequence times BLOCK_H heads, packed as the rows of
+# one tile (every head reads the same latent keys, so a key tile is loaded once for all rows):
+#
+#     row r  ->  query token  q_block * BLOCK_Q + r // BLOCK_H,   head  head_block * BLOCK_H + r % BLOCK_H
+#
+# and, with split-KV, one of ``num_programs(2)`` contiguous ranges of the keys it can see.
+
+
+@_jit
+def _mla_attention_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale_log2e, num_seqs, num_heads, min_q_len, max_q_len,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    stride_cb, stride_ct, stride_bt,
+    KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    q_block_global = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq)
+    # Sequences outside [min_q_len, max_q_len] belong to another launch with another tile shape.
+    if (q_block * BLOCK_Q >= q_len) | (q_len < min_q_len) | (q_len > max_q_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    q_tok = q_block * BLOCK_Q + rows // BLOCK_H
+    head = head_block * BLOCK_H + rows % BLOCK_H
+    row_valid = (q_tok < q_len) & (head < num_heads)
+    r_dims = tl.arange(0, BLOCK_R)
+    p_dims = tl.arange(0, BLOCK_P)
+    r_ok = r_dims < KV_RANK
+    p_ok = p_dims < ROPE_DIM
+    tok = (q_start + q_tok).to(tl.int64)
+    q_lat = tl.load(q_lat_ptr + (tok * stride_qlt + head * stride_qlh)[:, None] + r_dims[None, :],
+                    mask=row_valid[:, None] & r_ok[None, :], other=0.0)
+    q_pe = tl.load(q_pe_ptr + (tok * stride_qpt + head * stride_qph)[:, None] + p_dims[None, :],
+                   mask=row_valid[:, None] & p_ok[None, :], other=0.0)
+    q_pos = tl.where(row_valid, context_len + q_tok, -1)
+
+    # Keys past the tile's last query are invisible to all of its rows; the rest are cut into
+    # ``num_splits`` ranges of whole tiles (trailing ranges may be empty).
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
+    kv_lo = split * per_split
+    kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_R], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, TILE_N)
+    for start in range(kv_lo, kv_hi, TILE_N):
+        k_pos = start + offs_n
+        k_valid = k_pos < kv_hi
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        base = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct  # [TILE_N]
+        # The latent is both key and value: loaded once, transposed for the second dot.
+        c_t = tl.load(cache_ptr + base[None, :] + r_dims[:, None], mask=k_valid[None, :] & r_ok[:, None], other=0.0)
+        pe_t = tl.load(cache_ptr + base[None, :] + KV_RANK + p_dims[:, None], mask=k_valid[None, :] & p_ok[:, None],
+                       other=0.0)
+        s = tl.dot(q_lat, c_t, input_precision=PRECISION) + tl.dot(q_pe, pe_t, input_precision=PRECISION)
+        s = s * scale_log2e  # [BLOCK_M, TILE_N], log2 units
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key keeps m = -inf; subtracting 0 avoids inf - inf. Visibility is
+        # a prefix of the keys, so such a row sees no later tile either.
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c_t.dtype), tl.trans(c_t), input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = split.to(tl.int64) * stride_os + tok * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + r_dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & r_ok[None, :])
+    if SPLIT:
+        # Every split writes its log-sum-exp, -inf where it saw no key: the merge weighs it 0.
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split.to(tl.int64) * stride_ls + tok * stride_lt + head, lse, mask=row_valid)
+
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT32_MAX = 2**31 - 1
+
+
+def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
+                  out):
+    def fail(msg):
+        raise ValueError(f"mla_attention: {msg}")
+
+    if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
+        fail(f"q_latent and q_pe must be [T, H, R] and [T, H, P], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}")
+    rank, rope = q_latent.shape[2], q_pe.shape[2]
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != rank + rope:
+        fail(f"latent_cache must be [num_blocks, block_size, 1, R+P={rank + rope}], got {tuple(latent_cache.shape)}")
+    if rank < 16 or rope < 1 or rank > 1024 or rope > 256:
+        fail(f"R must lie in [16, 1024] and P in [1, 256], got R={rank}, P={rope}")
+    if q_latent.dtype not in _DTYPES:
+        fail(f"q_latent dtype {q_latent.dtype} is not one of {_DTYPES}")
+    for name, t in (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out), ("q_latent", q_latent)):
+        if t is None:
+            continue
+        if t.dtype != q_latent.dtype:
+            fail(f"{name} dtype {t.dtype} != q_latent dtype {q_latent.dtype}")
+        if t.stride(-1) != 1:
+            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+        if t.device != q_latent.device:
+            fail(f"{name} is on {t.device}, q_latent on {q_latent.device}")
+    if out is not None and out.shape != q_latent.shape:
+        fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    max_blocks = block_tables.shape[1] if block_tables.dim() == 2 else -1
+    for name, t, shape in (
+        ("seq_lens", seq_lens, (num_seqs,)),
+        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
+        ("block_tables", block_tables, (num_seqs, max_blocks)),
+    ):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape:
+            fail(f"{name} must be int32 of shape {shape} (B = len(seq_lens)), got {t.dtype} {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+        if t.device != q_latent.device:
+            fail(f"{name} is on {t.device}, q_latent on {q_latent.device}")
+    if max_query_len < 0 or max_query_len > q_latent.shape[0]:
+        fail(f"max_query_len {max_query_len} outside [0, T={q_latent.shape[0]}]")
+    if max_seq_len > max_blocks * latent_cache.shape[1]:
+        fail(f"max_seq_len {max_seq_len} exceeds block_tables capacity {max_blocks} blocks x {latent_cache.shape[1]} "
+             "tokens")
+
+
+def mla_attention(
+    q_latent: torch.Tensor,  # [T, H, R]
+    q_pe: torch.Tensor,  # [T, H, P]
+    latent_cache: torch.Tensor,  # [N, bs, 1, R+P]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`mla_attention_ref` (same semantics; module docstring).
+
+    ``max_query_len`` and ``max_seq_len`` are the batch's maxima as host ints (no device sync); they
+    pick tile shapes and the path. ``num_kv_splits``: ``None`` picks by heuristic (splits only for
+    decode-only batches); ``1`` forces one pass; ``> 1`` splits the keys of every sequence and
+    merges the partial results in float32 (only for ``max_query_len <= 1``). Without splits, rows
+    past ``query_start_loc[-1]`` are not written; with splits their values are unspecified."""
+    if triton is None:
+        raise RuntimeError("mla_attention: Triton is not installed; use mla_attention_ref")
+    _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
+                  out)
+    if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
+        raise ValueError(f"mla_attention: num_kv_splits={num_kv_splits} must be None or >= 1, and > 1 only "
+                         f"with max_query_len <= 1 (got {max_query_len})")
+    if out is None:
+        out = torch.empty_like(q_latent)
+    num_tokens, num_heads, rank = q_latent.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # 16 heads a tile, as in sglang's MLA decode: a wider tile's [rows, R] float32 accumulator
+    # outgrows the registers at R = 512.
+    block_h = min(16, triton.next_power_of_2(num_heads))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if max_query_len <= 1:
+            num_kv_splits = _choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device)
+    args = (q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale)
+
+    if num_kv_splits > 1:
+        partial = torch.empty(num_kv_splits, *q_latent.shape, dtype=torch.float32, device=q_latent.device)
+        lse = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=q_latent.device)
+        _launch(*args, partial, lse, block_h, 16, 0, _INT32_MAX, num_kv_splits)
+        # out = sum_s w_s * partial_s / sum_s w_s, with w_s = 2^(lse_s - max lse): [S, T, H]
+        weights = torch.exp2(lse - lse.amax(0, keepdim=True))
+        merged = (partial * weights.unsqueeze(-1)).sum(0) / weights.sum(0).unsqueeze(-1)
+        return out.copy_(merged)
+
+    # Decodes and short chunks take a 16-row tile; longer chunks, if any, a second launch with a
+    # taller one (fewer rows where the float32 accumulator is wide).
+    small_m = max(16, block_h)
+    small_q = small_m // block_h
+    big_m = small_m
+    if max_query_len > small_q:
+        big_m = max(small_m, min(32 if rank >= 256 else 64, triton.next_power_of_2(max_query_len * block_h)))
+    if big_m == small_m:
+        _launch(*args, out, None, block_h, small_m, 0, _INT32_MAX, 1)
+    else:
+        _launch(*args, out, None, block_h, small_m, 0, small_q, 1)
+        _launch(*args, out, None, block_h, big_m, small_q + 1, _INT32_MAX, 1)
+    return out
+
+
+def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, lse,
+            block_h, block_m, min_q_len, max_q_len, num_splits):
+    """One launch over sequences whose q_len lies in ``[min_q_len, max_q_len]``. ``out`` is
+    ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_pe.shape[2]
+    num_seqs = seq_lens.shape[0]
+    block_q = block_m // block_h
+    block_r = triton.next_power_of_2(rank)
+    split = num_splits > 1
+    o_strides = out.stride() if split else (0, *out.stride())
+    l_strides = lse.stride()[:2] if split else (0, 0)
+    grid = (num_tokens // block_q + num_seqs, triton.cdiv(num_heads, block_h), num_splits)
+    _mla_attention_kernel[grid](
+        q_latent, q_pe, latent_cache, out, lse if split else out, block_tables, query_start_loc, seq_lens,
+        scale * _LOG2E, num_seqs, num_heads, min_q_len, max_q_len,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        o_strides[0], o_strides[1], o_strides[2], l_strides[0], l_strides[1],
+        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+        KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_Q=block_q,
+        TILE_N=32 if block_r >= 256 else 64, SPLIT=split,
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_r * block_m >= 8192 else 4, num_stages=2,
+    )

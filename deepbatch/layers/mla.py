@@ -1,0 +1,151 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Each token's keys and values are compressed into one latent ``c_kv`` (``kv_lora_rank`` = R dims,
+after ``kv_a_layernorm``) plus one rotary key ``k_pe`` (P dims) shared by all heads; only
+``[c_kv | k_pe]`` is cached::
+
+    x -> kv_a_proj_with_mqa -> [ c_kv (R) | k_pe (P) ] -> norm(c_kv), rope(k_pe) -> cache
+    x -> q_proj  (or q_a_proj -> q_a_layernorm -> q_b_proj) -> [ q_nope (Dn) | q_pe (P) ] per head
+
+``kv_b_proj`` maps the latent to per-head ``k_nope`` (Dn) and ``v`` (Dv); its two halves are
+absorbed instead of applied to every cached token::
+
+    W_UK, W_UV = kv_b_proj.weight.view(H, Dn + Dv, R).split([Dn, Dv], 1)
+    score = (q_nope W_UK) . c_kv + q_pe . k_pe      = q_nope . k_nope + q_pe . k_pe
+    out   = o_proj( (softmax(score) @ c_kv) W_UV^T ) = o_proj( softmax(score) @ v )
+
+Every step (prefill chunks and decodes alike) takes this absorbed path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from deepbatch.kernels.mla_decode import mla_attention_ref
+from deepbatch.layers.attention import AttentionBackend
+from deepbatch.layers.linear import Linear
+from deepbatch.layers.norm import RMSNorm
+from deepbatch.layers.rotary import RotaryEmbedding, rope_parameters
+from deepbatch.runner.forward_batch import ForwardBatch
+
+
+class MLARotaryEmbedding(nn.Module):
+    """Rotary embedding of the ``qk_rope_head_dim`` dims (YaRN and the other scalings come from
+    :class:`RotaryEmbedding`'s tables). DeepSeek checkpoints pair dims ``(2i, 2i+1)``
+    (``interleaved``); the result comes out de-interleaved, ``[rotated evens | rotated odds]``,
+    like transformers' V3 code. V2's complex-number form keeps the pairs in place; both apply one
+    permutation to q and k, which leaves every ``q_pe . k_pe`` unchanged."""
+
+    def __init__(self, config, rope_dim: int, max_position: int, interleaved: bool):
+        super().__init__()
+        self.rope = RotaryEmbedding(config, rope_dim, max_position)
+        self.interleaved = interleaved
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, P], k: [T, 1, P]
+        if not self.interleaved:
+            return self.rope(positions, q, k)
+        cos = self.rope.cos[positions].unsqueeze(1)  # [T, 1, P/2]
+        sin = self.rope.sin[positions].unsqueeze(1)
+        return _rotate_interleaved(q, cos, sin), _rotate_interleaved(k, cos, sin)
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # In float32 as transformers' V2 does (its complex product upcasts); P is small.
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def mla_softmax_scale(config) -> float:
+    """``qk_head_dim**-0.5``, times ``mscale**2`` under YaRN with ``mscale_all_dim`` (the
+    attention-temperature correction of transformers' ``yarn_apply_mscale``)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim", 0)
+    if params.get("rope_type", "default") != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """The whole MLA block, projections included; the runner binds its one latent cache."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        bias = getattr(config, "attention_bias", False)
+        eps = config.rms_norm_eps
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(hidden, self.num_heads * self.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.scale = mla_softmax_scale(config)
+        self.latent_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, R + P]
+        self.backend: AttentionBackend = AttentionBackend()
+
+    def cache_shapes(self) -> list[tuple[int, ...]]:
+        """One paged tensor of ``[c_kv | k_pe]`` per token (see ``PagedAttention.cache_shapes``)."""
+        return [(1, self.kv_lora_rank + self.qk_rope_head_dim)]
+
+    def bind(self, caches: list[torch.Tensor | None], backend: AttentionBackend) -> None:
+        (self.latent_cache,) = caches
+        self.backend = backend
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [H, Dn, R]`` and ``W_UV [H, Dv, R]``: views of ``kv_b_proj.weight``, no copies."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def forward(self, x: torch.Tensor, rotary: MLARotaryEmbedding, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))  # [T, H, P], [T, 1, P]
+        latent = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]
+        # The latent is the key and the value of one KV head: the shared write path stores it
+        # twice into the same slot, which is idempotent and keeps one write kernel.
+        self.backend.write_kv(latent, latent, self.latent_cache, self.latent_cache, batch.slot_mapping)
+
+        w_uk, w_uv = self._absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, Dn] @ [H, Dn, R] -> [T, H, R]
+        o_latent = self._attend(q_latent, q_pe, batch)  # [T, H, R]
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, R] @ [H, R, Dv] -> [H, T, Dv]
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_head_dim))
+
+    def _attend(self, q_latent: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.backend.name == "triton":
+            from deepbatch.kernels.mla_decode import mla_attention
+
+            return mla_attention(
+                q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                self.scale, batch.max_query_len, batch.max_seq_len,
+            )
+        return mla_attention_ref(
+            q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale,
+        )

@@ -1,0 +1,193 @@
+"""DeepSeek-V2 and DeepSeek-V3: multi-head latent attention and DeepSeekMoE.
+
+    x -> embed -> [ RMSNorm -> MLA(latent paged cache) -> +res -> RMSNorm -> FFN -> +res ] x L
+      -> RMSNorm -> lm_head (only at the rows that are sampled)
+
+    FFN = gated MLP in the first ``first_k_dense_replace`` layers, DeepSeekMoE after them.
+
+V3 differs only in its router (sigmoid scores with a correction bias, grouped top-k, normalised
+weights) and in a switch for the rotary layout. Either may have a q LoRA (``q_lora_rank``; V2-Lite
+has none). The multi-token-prediction layers V3 checkpoints carry (``model.layers.{L}...`` past
+``num_hidden_layers``) are not used for decoding and are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from deepbatch.layers.linear import Linear
+from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
+from deepbatch.layers.moe import DeepseekMoE, TopKRouter
+from deepbatch.layers.norm import RMSNorm
+from deepbatch.models.llama import GatedMLP
+from deepbatch.runner.forward_batch import ForwardBatch
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, router_kwargs: dict):
+        super().__init__()
+        hidden = config.hidden_size
+        self.self_attn = MultiHeadLatentAttention(config)
+        # As in transformers: every layer from first_k_dense_replace on is MoE (moe_layer_freq is 1
+        # in every released checkpoint and transformers ignores it).
+        if layer_idx >= config.first_k_dense_replace:
+            moe_i = config.moe_intermediate_size
+            shared = GatedMLP(hidden, moe_i * config.n_shared_experts) if config.n_shared_experts else None
+            router = TopKRouter(hidden, config.n_routed_experts, config.num_experts_per_tok, **router_kwargs)
+            self.mlp = DeepseekMoE(router, hidden, moe_i, shared)
+        else:
+            self.mlp = GatedMLP(hidden, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+
+    def forward(self, x, residual, rotary, positions, batch):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, positions, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, router_kwargs) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = MLARotaryEmbedding(config, config.qk_rope_head_dim, max_position, rope_interleave)
+
+    def forward(self, input_ids, positions, batch):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary, positions, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fragment, shard index in the merged weight)
+    stacked_params = [
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    ]
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config, max_position, self.router_kwargs(config), self.rope_interleave(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    @staticmethod
+    def router_kwargs(config) -> dict:
+        # transformers' V2 router never normalises the top-k weights (no released V2 sets
+        # norm_topk_prob) and always scores with softmax.
+        return dict(
+            scoring_func="softmax",
+            topk_method=getattr(config, "topk_method", None) or "greedy",
+            n_group=getattr(config, "n_group", None),
+            topk_group=getattr(config, "topk_group", None),
+            norm_topk_prob=False,
+            routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0),
+        )
+
+    @staticmethod
+    def rope_interleave(config) -> bool:
+        return True  # V2 rotates (2i, 2i+1) pairs as complex numbers
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[MultiHeadLatentAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights) -> set[str]:
+        """Copy ``(name, tensor)`` pairs in HF naming into the parameters; returns the names of
+        parameters that were loaded. Experts come one per tensor (``experts.{e}.gate_proj.weight``,
+        as checkpoints and ``save_pretrained`` write them) or stacked (``experts.gate_up_proj``)."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        num_layers = self.config.num_hidden_layers
+        for name, tensor in weights:
+            layer = _LAYER_INDEX.match(name)
+            if "rotary_emb.inv_freq" in name or (layer and int(layer.group(1)) >= num_layers):
+                continue  # recomputed; or a multi-token-prediction layer
+            if (self.tie_word_embeddings and name == "lm_head.weight") or tensor.numel() == 0:
+                continue  # tied; or transformers' empty shared experts when n_shared_experts == 0
+            expert = _EXPERT.search(name)
+            if expert:
+                e, part = int(expert.group(1)), expert.group(2)
+                stacked = "gate_up_proj" if part in ("gate_proj", "up_proj") else "down_proj"
+                target = name[: expert.start()] + f".experts.{stacked}"
+                self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(params[target], tensor, (e, part))
+                loaded.add(target)
+                continue
+            for src, dst, shard in self.stacked_params:
+                if f".{src}." in name:
+                    target = name.replace(f".{src}.", f".{dst}.")
+                    self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+                if loader is not None:
+                    loader(params[name], tensor)
+                else:
+                    if params[name].shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                    params[name].data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+    def export_weights(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The inverse of ``load_weights`` for one parameter, in transformers' in-memory names
+        (what ``load_state_dict`` of its model takes): merged gate/up split back; stacked experts
+        kept stacked, as transformers holds them."""
+        if ".experts." in name:
+            return {name: tensor}
+        dst = next((d for _, d, _ in self.stacked_params if f".{d}." in name), None)
+        if dst is None:
+            return {name: tensor}
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        return {
+            name.replace(f".{dst}.", f".{src}."): tensor.narrow(0, module.offsets[shard], module.out_sizes[shard])
+            for src, d, shard in self.stacked_params if d == dst
+        }
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    @staticmethod
+    def router_kwargs(config) -> dict:
+        # transformers' V3 router is always sigmoid + correction bias + grouped top-k.
+        return dict(
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            n_group=config.n_group,
+            topk_group=config.topk_group,
+            norm_topk_prob=bool(config.norm_topk_prob),
+            routed_scaling_factor=config.routed_scaling_factor,
+        )
+
+    @staticmethod
+    def rope_interleave(config) -> bool:
+        return bool(getattr(config, "rope_interleave", True))

@@ -1,0 +1,216 @@
+"""A real ``deepbatch serve`` process for the API tests, and a few helpers around it.
+
+Loading the model takes tens of seconds on a small CPU, so tests/api/conftest.py starts every
+process the selected tests need at once, in the background (they load in parallel), and each
+test module waits only for its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+try:
+    import httpx
+except ImportError:  # some environments ship httpx only under its 2.x distribution name
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-deepbatch-test"
+MODEL = "SmolLM2-135M-Instruct"
+# Enough KV blocks for the tests (16 tokens each) without the CPU default's 2 GiB per process.
+KV_BLOCKS = "1024"
+# The main server: auth on, a small body limit (so 413 is cheap to provoke), quick stats lines.
+MAIN_SERVER = dict(
+    args=["--num-gpu-blocks-override", KV_BLOCKS],
+    env={"DEEPBATCH_MAX_REQUEST_BODY_BYTES": "65536", "DEEPBATCH_LOG_STATS_INTERVAL": "1"},
+    api_key=API_KEY,
+)
+
+
+# Process logs; kept when a test failed (see conftest.py), removed otherwise.
+LOG_DIR = Path(tempfile.mkdtemp(prefix="deepbatch-api-tests-"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BackgroundProcess:
+    """A process whose stderr goes to a log file and stdout to another (``output()``)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str] | None = None):
+        self.name = name
+        self.log = open(LOG_DIR / f"{name}.log", "wb")
+        self.out = open(LOG_DIR / f"{name}.out", "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.out, stderr=self.log,
+                                     env={**os.environ, **(env or {})})
+
+    def log_tail(self, chars: int = 6000) -> str:
+        text = Path(self.log.name).read_text(errors="replace") + Path(self.out.name).read_text(errors="replace")
+        return text[-chars:]
+
+    def output(self, timeout: float = 600) -> str:
+        """Its stdout, once it has exited 0."""
+        self.proc.wait(timeout)
+        assert self.proc.returncode == 0, f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+        return Path(self.out.name).read_text()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+class ServerProcess(BackgroundProcess):
+    def __init__(self, name: str, args: list[str] = (), env: dict[str, str] | None = None, api_key: str | None = None):
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "deepbatch.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", "512", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        super().__init__(name, cmd, env)
+        self._ready = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 420.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self._ready = httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                pass
+            if not self._ready:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server {self.name} not ready after {timeout} s:\n{self.log_tail()}")
+                time.sleep(0.5)
+        return self
+
+    def http(self, **kwargs) -> httpx.Client:
+        kwargs.setdefault("headers", self.headers)
+        kwargs.setdefault("timeout", 60)
+        return httpx.Client(base_url=self.url, **kwargs)
+
+    def async_http(self, **kwargs) -> httpx.AsyncClient:
+        kwargs.setdefault("headers", self.headers)
+        kwargs.setdefault("timeout", 60)
+        return httpx.AsyncClient(base_url=self.url, **kwargs)
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                                  timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """``{'name{label="v",...}': value}``, labels sorted, from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        return parse_metrics(text)
+
+    def metric(self, name: str, **labels: str) -> float:
+        labels.setdefault("model_name", MODEL)
+        return self.metrics().get(metric_key(name, labels), 0.0)
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+
+# -- processes shared by the selected test modules (see conftest.py) -------------------------------
+
+_servers: dict[str, ServerProcess] = {}
+_background: dict[str, BackgroundProcess] = {}
+
+
+def launch_for_modules(modules) -> None:
+    """Start every process the modules declare (``SERVERS``, ``BACKGROUND``), all at once."""
+    for mod in modules:
+        for name, spec in getattr(mod, "SERVERS", {}).items():
+            if name not in _servers:
+                _servers[name] = ServerProcess(name, **spec)
+        for name, cmd in getattr(mod, "BACKGROUND", {}).items():
+            if name not in _background:
+                _background[name] = BackgroundProcess(name, cmd)
+
+
+def stop_all(keep_logs: bool) -> None:
+    for proc in list(_servers.values()) + list(_background.values()):
+        proc.stop()
+        proc.log.close()
+        proc.out.close()
+    if keep_logs:
+        print(f"\nserver logs: {LOG_DIR}")
+    else:
+        shutil.rmtree(LOG_DIR, ignore_errors=True)
+
+
+def get_server(name: str) -> ServerProcess:
+    """The launched server ``name``, once it answers /health."""
+    return _servers[name].wait_ready()
+
+
+def get_background(name: str) -> BackgroundProcess:
+    return _background[name]
+
+
+_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_key(name: str, labels: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        out[metric_key(m.group(1), dict(_LABEL.findall(m.group(3) or "")))] = float(m.group(4))
+    return out
+
+
+def assert_error(resp, status: int, param: str | None = "any", code: str | None = None) -> dict:
+    """The reply is ``status`` with an OpenAI error body; returns the error object."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and isinstance(err["code"], str)
+    if param != "any":
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err

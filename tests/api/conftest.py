@@ -1,0 +1,29 @@
+"""Server processes for the API tests.
+
+A test module declares what it needs at module level:
+
+    SERVERS = {"main": MAIN_SERVER}                       # name -> ServerProcess kwargs
+    BACKGROUND = {"reference": [python, "-c", ...]}       # name -> command (output kept in a log)
+
+When the first test of tests/api runs, every process that the selected modules declare starts at
+once, so their model loads overlap; each module then waits only for its own (``get_server``).
+Modules that use the same name share the process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apitest_server import launch_for_modules, stop_all
+
+_HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _api_processes(request):
+    items = request.session.items
+    launch_for_modules({i.module for i in items if i.module is not None and Path(i.path).resolve().parent == _HERE})
+    yield
+    stop_all(keep_logs=request.session.testsfailed > 0)
