@@ -21,8 +21,8 @@ from torch import nn
 from deepbatch.layers.linear import Linear
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.layers.moe import DeepseekMoE, TopKRouter
+from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
-from deepbatch.models.llama import GatedMLP
 from deepbatch.runner.forward_batch import ForwardBatch
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")

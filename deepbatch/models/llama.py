@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepbatch.layers.activation import silu_and_mul
 from deepbatch.layers.attention import PagedAttention
 from deepbatch.layers.linear import Linear, MergedLinear
+from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
@@ -46,16 +46,6 @@ class LlamaAttention(nn.Module):
         q, k = rotary(positions, q, k)
         o = self.attn(q, k, v, batch)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -274,7 +274,8 @@ def test_max_concurrency_limits_requests_in_flight(fake, server_url, capsys):
     fake.cfg = FakeConfig(itl=0.03)
     r = bench(server_url, "--num-prompts", "12", "--max-concurrency", "3", "--random-output-len", "5")
     assert r["completed"] == 12 and fake.peak_active == 3
-    # Each request streams for >= 120 ms. A request's clock starts when it gets a seat, so waiting for one is not counted as TTFT.
+    # Each request streams for >= 120 ms. Its clock starts when it gets a seat, so the wait for a
+    # seat is not counted as TTFT (as in vLLM).
     sends = sorted(r["requests"]["send_s"])
     assert sends[2] < 0.05 and sends[3] > 0.12
     assert np.median(r["requests"]["ttft"]) < 0.08

@@ -1,0 +1,20 @@
+"""The gated MLP of Llama-family and DeepSeek dense layers (and DeepSeek's shared experts):
+``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepbatch.layers.activation import silu_and_mul
+from deepbatch.layers.linear import Linear, MergedLinear
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
