@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from deepbatch.kernels.common import jit as _jit, tl, triton
 
 
 def fused_moe_ref(
@@ -49,16 +50,6 @@ def fused_moe_ref(
         out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
     return out.to(x.dtype)
 
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference above stays usable without Triton (CPU-only installs)
-    triton = tl = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
+from deepbatch.kernels.common import check_paged_metadata, jit as _jit, tl, triton
 
 
 def mla_attention_ref(
@@ -51,16 +52,6 @@ def mla_attention_ref(
         out[qs:qe] = (scores.softmax(-1) @ c_kv).transpose(0, 1).to(out.dtype)
     return out
 
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference above stays usable without Triton (CPU-only installs)
-    triton = tl = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 # A program handles BLOCK_Q query tokens of one sequence times BLOCK_H heads, packed as the rows of
@@ -185,24 +176,8 @@ def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, s
             fail(f"{name} is on {t.device}, q_latent on {q_latent.device}")
     if out is not None and out.shape != q_latent.shape:
         fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    max_blocks = block_tables.shape[1] if block_tables.dim() == 2 else -1
-    for name, t, shape in (
-        ("seq_lens", seq_lens, (num_seqs,)),
-        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
-        ("block_tables", block_tables, (num_seqs, max_blocks)),
-    ):
-        if t.dtype != torch.int32 or tuple(t.shape) != shape:
-            fail(f"{name} must be int32 of shape {shape} (B = len(seq_lens)), got {t.dtype} {tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
-        if t.device != q_latent.device:
-            fail(f"{name} is on {t.device}, q_latent on {q_latent.device}")
-    if max_query_len < 0 or max_query_len > q_latent.shape[0]:
-        fail(f"max_query_len {max_query_len} outside [0, T={q_latent.shape[0]}]")
-    if max_seq_len > max_blocks * latent_cache.shape[1]:
-        fail(f"max_seq_len {max_seq_len} exceeds block_tables capacity {max_blocks} blocks x {latent_cache.shape[1]} "
-             "tokens")
+    check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables, query_start_loc, seq_lens,
+                         max_query_len, max_seq_len)
 
 
 def mla_attention(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from deepbatch.kernels.common import check_paged_metadata, jit as _jit, tl, triton
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -111,16 +112,6 @@ def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
     out.copy_(o.squeeze(2))
     return out
 
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch paths above stay usable without Triton (CPU-only installs)
-    triton = tl = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 # Every program of the kernels below handles one KV head and the ``G = Hq // Hkv`` query heads that
@@ -286,23 +277,8 @@ def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_le
             fail(f"{name} is on {t.device}, query on {query.device}")
     if out is not None and out.shape != query.shape:
         fail(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    max_blocks = block_tables.shape[1] if block_tables.dim() == 2 else -1
-    for name, t, shape in (
-        ("seq_lens", seq_lens, (num_seqs,)),
-        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
-        ("block_tables", block_tables, (num_seqs, max_blocks)),
-    ):
-        if t.dtype != torch.int32 or tuple(t.shape) != shape:
-            fail(f"{name} must be int32 of shape {shape} (B = len(seq_lens)), got {t.dtype} {tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
-        if t.device != query.device:
-            fail(f"{name} is on {t.device}, query on {query.device}")
-    if max_query_len < 0 or max_query_len > query.shape[0]:
-        fail(f"max_query_len {max_query_len} outside [0, T={query.shape[0]}]")
-    if max_seq_len > max_blocks * k_cache.shape[1]:
-        fail(f"max_seq_len {max_seq_len} exceeds block_tables capacity {max_blocks} blocks x {k_cache.shape[1]} tokens")
+    check_paged_metadata(fail, query.device, query.shape[0], k_cache.shape[1], block_tables, query_start_loc, seq_lens,
+                         max_query_len, max_seq_len)
 
 
 _num_sms_cache: dict[torch.device, int] = {}

@@ -8,6 +8,7 @@ and is skipped.
 from __future__ import annotations
 
 import torch
+from deepbatch.kernels.common import jit as _jit, tl, triton
 
 
 def reshape_and_cache_ref(
@@ -22,16 +23,6 @@ def reshape_and_cache_ref(
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
 
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference above stays usable without Triton (CPU-only installs)
-    triton = tl = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

@@ -11,13 +11,7 @@ dtype, and only then multiplied by ``weight``::
 from __future__ import annotations
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference stays usable without Triton (CPU-only installs)
-    triton = tl = None
-
+from deepbatch.kernels.common import jit as _jit, tl, triton
 
 def rms_norm_ref(
     x: torch.Tensor,  # [..., H]
@@ -34,10 +28,6 @@ def rms_norm_ref(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(dtype)
     return out if residual is None else (out, residual)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

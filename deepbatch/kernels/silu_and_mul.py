@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the reference stays usable without Triton (CPU-only installs)
-    triton = tl = None
-
+from deepbatch.kernels.common import jit as _jit, tl, triton
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 @_jit

@@ -1,0 +1,51 @@
+"""What every kernel file shares: the optional Triton import and the checks of a paged batch's
+metadata (the same for every attention kernel that reads the cache through block tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch references stay usable without Triton (CPU-only installs)
+    triton = tl = None
+
+
+def jit(fn):
+    """``triton.jit`` when Triton is installed; else the plain function (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def check_paged_metadata(
+    fail: Callable[[str], None],
+    device: torch.device,
+    num_tokens: int,
+    block_size: int,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+) -> None:
+    """``seq_lens [B]``, ``query_start_loc [B+1]``, ``block_tables [B, max_blocks]`` int32 on
+    ``device``, and host-side maxima that fit them."""
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    max_blocks = block_tables.shape[1] if block_tables.dim() == 2 else -1
+    for name, t, shape in (
+        ("seq_lens", seq_lens, (num_seqs,)),
+        ("query_start_loc", query_start_loc, (num_seqs + 1,)),
+        ("block_tables", block_tables, (num_seqs, max_blocks)),
+    ):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape:
+            fail(f"{name} must be int32 of shape {shape} (B = len(seq_lens)), got {t.dtype} {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+        if t.device != device:
+            fail(f"{name} is on {t.device}, the query on {device}")
+    if max_query_len < 0 or max_query_len > num_tokens:
+        fail(f"max_query_len {max_query_len} outside [0, T={num_tokens}]")
+    if max_seq_len > max_blocks * block_size:
+        fail(f"max_seq_len {max_seq_len} exceeds block_tables capacity {max_blocks} blocks x {block_size} tokens")
