@@ -62,6 +62,10 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.policy = make_policy(config)
+        # The step's limits. They start at the configured maxima; an SLO controller may lower
+        # them at run time (never above the configured values, which sized memory and graphs).
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -115,7 +119,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         now = self.clock()
         policy = self.policy
         self.running.sort(key=lambda r: policy.victim_key(r, now))
@@ -154,7 +158,7 @@ class Scheduler:
 
         # Then waiting requests, in policy order, while budget and seats last.
         static = self.config.static_batch_size
-        seats = self.config.max_num_seqs if static is None else (min(static, self.config.max_num_seqs) if not self.running else 0)
+        seats = self.max_num_seqs if static is None else (min(static, self.max_num_seqs) if not self.running else 0)
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < seats:
             request = self.waiting[0]
@@ -209,7 +213,7 @@ class Scheduler:
             head, last = self.waiting[0], self.running[-1]
             if not policy.key(head, now) < policy.key(last, now):
                 return
-            seats_full = len(self.running) >= self.config.max_num_seqs
+            seats_full = len(self.running) >= self.max_num_seqs
             first_chunk = min(head.num_tokens, budget)
             blocks_short = self.kv_cache.blocks_needed(first_chunk) > self.kv_cache.pool.num_free_blocks
             if not (seats_full or blocks_short):
@@ -275,4 +279,4 @@ class Scheduler:
             self.expected_output_len += 0.1 * (request.num_output_tokens - self.expected_output_len)
         self.kv_cache.free(request)
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
