@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $DEEPBATCH_API_KEY)")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="waiting sequences beyond which requests get 429 (0: no limit)")
+    serve.add_argument("--max-queued-tokens", type=int, default=0,
+                       help="waiting prompt tokens beyond which requests get 429 (0: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
     serve.set_defaults(func=_serve)
@@ -150,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     torch.manual_seed(args.seed)
     engine = AsyncEngine.from_config(
-        config, max_queued_requests=args.max_queued_requests or None,
+        config, max_queued_requests=args.max_queued_requests or None, max_queued_tokens=args.max_queued_tokens or None,
         tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP,
     )
     return run_server(engine, server_config)

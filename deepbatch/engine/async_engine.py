@@ -42,7 +42,8 @@ _ABORT_GRACE_S = 30.0
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_queued_requests`` sequences; retry later."""
+    """The waiting queue holds ``max_queued_requests`` sequences or ``max_queued_tokens``
+    prompt tokens; retry later."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -146,10 +147,11 @@ Observer = Callable[[list[RequestOutput]], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, max_queued_requests: int | None = None, tokenizer_threads: int = 2,
-                 fault_inject_step: int | None = None):
+    def __init__(self, engine, *, max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
+                 tokenizer_threads: int = 2, fault_inject_step: int | None = None):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
         self._fault_inject_step = fault_inject_step
         self._pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="deepbatch-tokenize")
         self._cond = threading.Condition()
@@ -157,7 +159,9 @@ class AsyncEngine:
         # and the accepting state.
         self._inbox: list[_Add | _Abort] = []
         self._pending_seqs = 0
+        self._pending_tokens = 0
         self._num_waiting = 0
+        self._num_waiting_tokens = 0
         self._draining = False
         self._stopping = False
         self._dead: EngineDeadError | None = None
@@ -266,10 +270,12 @@ class AsyncEngine:
         # Token ids travel to the engine thread, so it never tokenizes (it re-validates cheaply).
         prompt_dict = {"prompt_token_ids": first.prompt_token_ids, "prompt": first.prompt}
         cmd = _Add(request_id, prompt_dict, params, priority, tenant, arrival, stream, len(requests))
+        num_tokens = len(first.prompt_token_ids) * len(requests)
         with self._cond:
-            self._check_accepting(len(requests))
+            self._check_accepting(len(requests), num_tokens)
             self._inbox.append(cmd)
             self._pending_seqs += len(requests)
+            self._pending_tokens += num_tokens
             self._cond.notify()
         self._streams[request_id] = stream
         return stream
@@ -294,7 +300,7 @@ class AsyncEngine:
                 self._inbox.append(_Abort(request_id))
                 self._cond.notify()
 
-    def _check_accepting(self, num_seqs: int) -> None:
+    def _check_accepting(self, num_seqs: int, num_tokens: int = 0) -> None:
         if self._dead is not None:
             raise self._dead
         if self._draining or self._stopping:
@@ -302,6 +308,9 @@ class AsyncEngine:
         limit = self.max_queued_requests
         if num_seqs and limit is not None and self._pending_seqs + self._num_waiting + num_seqs > limit:
             raise QueueFullError(f"the waiting queue is full ({limit} sequences); retry later")
+        limit = self.max_queued_tokens
+        if num_tokens and limit is not None and self._pending_tokens + self._num_waiting_tokens + num_tokens > limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} prompt tokens); retry later")
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -343,7 +352,7 @@ class AsyncEngine:
     def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
         engine = self.engine
         outputs: list[RequestOutput] = []
-        added = 0
+        added = added_tokens = 0
         for cmd in commands:
             if isinstance(cmd, _Abort):
                 out = engine.abort_request(cmd.request_id)
@@ -351,6 +360,7 @@ class AsyncEngine:
                     outputs.append(out)
                 continue
             added += cmd.num_seqs
+            added_tokens += len(cmd.prompt["prompt_token_ids"]) * cmd.num_seqs
             try:
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.tenant, cmd.arrival_time)
             except InvalidRequestError as e:  # validated already; answer this request, keep serving
@@ -359,7 +369,9 @@ class AsyncEngine:
             self._active[cmd.request_id] = cmd.stream
         with self._cond:
             self._pending_seqs -= added
+            self._pending_tokens -= added_tokens
             self._num_waiting = engine.scheduler.num_waiting
+            self._num_waiting_tokens = _waiting_tokens(engine)
         return outputs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -393,6 +405,7 @@ class AsyncEngine:
         )
         with self._cond:
             self._num_waiting = e.scheduler.num_waiting
+            self._num_waiting_tokens = _waiting_tokens(e)
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)
@@ -402,6 +415,7 @@ class AsyncEngine:
             self._dead = error
             commands, self._inbox = self._inbox, []
             self._pending_seqs = 0
+            self._pending_tokens = 0
         # Callbacks first: by the time a client reads its error, the server already reports dead.
         for callback in self._dead_callbacks:
             try:
@@ -439,3 +453,8 @@ class AsyncEngine:
         for stream, error in items:
             stream._fail(error)
             self._streams.pop(stream.request_id, None)
+
+
+def _waiting_tokens(engine) -> int:
+    """Prompt tokens (and recomputed output) the waiting requests still have to prefill."""
+    return sum(r.num_tokens - r.num_computed_tokens for r in getattr(engine.scheduler, "waiting", ()))

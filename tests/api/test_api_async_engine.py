@@ -71,6 +71,23 @@ def test_waiting_queue_bound_raises_queue_full():
     engine.shutdown()
 
 
+def test_waiting_token_bound_raises_queue_full():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake, max_queued_tokens=10)  # not started: everything stays queued
+
+    async def main():
+        await engine.add_request("a", "hello", params())  # 5 tokens
+        await engine.add_request("b", "abcd", params())  # 9
+        with pytest.raises(QueueFullError, match="prompt tokens"):
+            await engine.add_request("c", "xy", params())  # 11 > 10
+        await engine.add_request("d", "x", params())  # exactly 10 fits
+        with pytest.raises(QueueFullError):  # n multiplies the tokens
+            await engine.add_request("e", "x", params(n=2))
+
+    run(main())
+    engine.shutdown()
+
+
 def test_leaving_early_aborts_the_request():
     fake = FakeEngine(step_delay=0.01)
     engine = AsyncEngine(fake)
