@@ -26,7 +26,8 @@ from deepbatch.api.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest,
 )
 from deepbatch.api.sse import SSEResponse, run_until_disconnect
-from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError, RequestStream
+from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
+from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams

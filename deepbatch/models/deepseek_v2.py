@@ -18,6 +18,7 @@ import re
 import torch
 from torch import nn
 
+from deepbatch.layers.decoder import PreNormDecoderLayer
 from deepbatch.layers.linear import Linear
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.layers.moe import DeepseekMoE, TopKRouter
@@ -29,7 +30,7 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, router_kwargs: dict):
         super().__init__()
         hidden = config.hidden_size
@@ -45,16 +46,6 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(hidden, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-
-    def forward(self, x, residual, rotary, positions, batch):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, positions, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekModel(nn.Module):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from deepbatch.layers.attention import PagedAttention
+from deepbatch.layers.decoder import PreNormDecoderLayer
 from deepbatch.layers.linear import Linear, MergedLinear
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
@@ -48,23 +49,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, rotary, positions, batch):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, positions, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):

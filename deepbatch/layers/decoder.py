@@ -1,0 +1,25 @@
+"""The pre-norm residual block shared by Llama-family and DeepSeek decoder layers:
+
+    h = x + attn(norm1(x));  out = h + mlp(norm2(h))
+
+with each residual add fused into the next norm (``RMSNorm(x, residual)``), so the block passes
+``(x, residual)`` along instead of materialising every sum.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Subclasses set ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``."""
+
+    def forward(self, x, residual, rotary, positions, batch):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, positions, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
