@@ -259,6 +259,7 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
     app = build_app(engine, config)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", lifespan="on",
+        loop="auto",  # uvloop when it is installed, asyncio otherwise
         # Aborted requests answer within a step; this only bounds a stuck client write.
         timeout_graceful_shutdown=10, timeout_keep_alive=5,
     )
