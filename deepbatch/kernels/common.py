@@ -19,6 +19,20 @@ def jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
+def check_like(fail: Callable[[str], None], ref_name: str, ref: torch.Tensor,
+               others: tuple[tuple[str, torch.Tensor | None], ...]) -> None:
+    """Each tensor (None is skipped) has ``ref``'s dtype and device and a contiguous last dim."""
+    for name, t in ((ref_name, ref), *others):
+        if t is None:
+            continue
+        if t.dtype != ref.dtype:
+            fail(f"{name} dtype {t.dtype} != {ref_name} dtype {ref.dtype}")
+        if t.stride(-1) != 1:
+            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+        if t.device != ref.device:
+            fail(f"{name} is on {t.device}, {ref_name} on {ref.device}")
+
+
 def check_paged_metadata(
     fail: Callable[[str], None],
     device: torch.device,

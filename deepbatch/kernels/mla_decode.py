@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
-from deepbatch.kernels.common import check_paged_metadata, jit as _jit, tl, triton
+from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, tl, triton
 
 
 def mla_attention_ref(
@@ -165,15 +165,7 @@ def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, s
         fail(f"R must lie in [16, 1024] and P in [1, 256], got R={rank}, P={rope}")
     if q_latent.dtype not in _DTYPES:
         fail(f"q_latent dtype {q_latent.dtype} is not one of {_DTYPES}")
-    for name, t in (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out), ("q_latent", q_latent)):
-        if t is None:
-            continue
-        if t.dtype != q_latent.dtype:
-            fail(f"{name} dtype {t.dtype} != q_latent dtype {q_latent.dtype}")
-        if t.stride(-1) != 1:
-            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
-        if t.device != q_latent.device:
-            fail(f"{name} is on {t.device}, q_latent on {q_latent.device}")
+    check_like(fail, "q_latent", q_latent, (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out)))
     if out is not None and out.shape != q_latent.shape:
         fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
     check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables, query_start_loc, seq_lens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepbatch.kernels.common import check_paged_metadata, jit as _jit, tl, triton
+from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, tl, triton
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -266,15 +266,7 @@ def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_le
         fail(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if query.dtype not in _DTYPES:
         fail(f"query dtype {query.dtype} is not one of {_DTYPES}")
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t is None:
-            continue
-        if t.dtype != query.dtype:
-            fail(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
-        if t.stride(-1) != 1:
-            fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
-        if t.device != query.device:
-            fail(f"{name} is on {t.device}, query on {query.device}")
+    check_like(fail, "query", query, (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
     if out is not None and out.shape != query.shape:
         fail(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     check_paged_metadata(fail, query.device, query.shape[0], k_cache.shape[1], block_tables, query_start_loc, seq_lens,

@@ -23,3 +23,16 @@ class PreNormDecoderLayer(nn.Module):
         x = self.self_attn(x, rotary, positions, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+class DecoderStack(nn.Module):
+    """embed -> layers -> final norm. Subclasses set ``embed_tokens``, ``layers``, ``norm`` and
+    ``rotary`` (the position encoding every layer shares)."""
+
+    def forward(self, input_ids, positions, batch):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary, positions, batch)
+        x, _ = self.norm(x, residual)
+        return x

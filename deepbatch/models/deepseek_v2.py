@@ -18,7 +18,7 @@ import re
 import torch
 from torch import nn
 
-from deepbatch.layers.decoder import PreNormDecoderLayer
+from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
 from deepbatch.layers.linear import Linear
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.layers.moe import DeepseekMoE, TopKRouter
@@ -48,7 +48,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -58,14 +58,6 @@ class DeepseekModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MLARotaryEmbedding(config, config.qk_rope_head_dim, max_position, rope_interleave)
-
-    def forward(self, input_ids, positions, batch):
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, positions, batch)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class DeepseekV2ForCausalLM(nn.Module):

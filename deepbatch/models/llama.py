@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deepbatch.layers.attention import PagedAttention
-from deepbatch.layers.decoder import PreNormDecoderLayer
+from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
 from deepbatch.layers.linear import Linear, MergedLinear
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
@@ -58,7 +58,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -67,14 +67,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-
-    def forward(self, input_ids, positions, batch):
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, positions, batch)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class LlamaForCausalLM(nn.Module):
