@@ -1,0 +1,248 @@
+"""The online SLO controller: it sets the scheduler's run-time limits (``max_num_seqs``,
+``max_num_batched_tokens``, which also bounds the prefill chunk) to the highest-throughput
+setting predicted to meet p99 targets for TTFT and TPOT. It changes limits only; the scheduler's
+one token-budget loop is untouched.
+
+    engine.step: schedule -> execute -> update -> controller.observe_step(duration, shape, ...)
+                                                        |
+        every ``interval_steps`` steps:  fit t = a + b*tokens + c*seqs  (step_time.py)
+                                         measure the load (arrivals, lengths, queued tokens)
+                                         predict every candidate setting (slo_frontier.py)
+                                         correct by observed p99 / predicted p99 (feedback)
+                                         move only past the hysteresis margin
+
+Hysteresis: a decision happens at most once every ``interval_steps`` steps, and the setting
+changes only when the best candidate is in a better class (meets both targets > meets TPOT >
+neither) or, in the same class, promises more than ``margin`` more throughput (capacity when the
+load is below every candidate's). Feedback: once ``min_samples`` requests have finished under the
+current setting, the ratio of their observed p99 to the predicted p99 scales every prediction
+(smoothed, clamped to [0.5, 4]), so a model that is wrong in level still ranks settings.
+
+Thread-safety: every method runs on the engine thread. ``report`` is rebuilt as a new dict at
+each decision and never mutated afterwards, so other threads may read the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from deepbatch.engine.request import Request
+from deepbatch.scheduler.slo_frontier import (FrontierPoint, Setting, Workload, candidate_settings, frontier,
+                                              predict, rank)
+from deepbatch.scheduler.step_time import StepTimeFit
+
+_CORRECTION_RANGE = (0.5, 4.0)
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    interval_steps: int = 64  # at most one decision per this many steps
+    margin: float = 0.1  # relative gain needed to move within a class
+    window_s: float = 10.0  # arrivals and latencies older than this are forgotten
+    min_samples: int = 20  # finished requests under a setting before its p99 corrects the model
+    latency_samples: int = 512  # most recent TTFT/TPOT samples kept
+
+
+class SLOController:
+    def __init__(self, scheduler, ttft_target_s: float | None, tpot_target_s: float | None,
+                 options: ControllerOptions = ControllerOptions()):
+        """``scheduler`` exposes ``max_num_seqs``/``max_num_batched_tokens`` (set here),
+        ``config`` (the maxima), ``clock``, ``waiting`` and ``running``."""
+        self.scheduler = scheduler
+        self.ttft_target_s = ttft_target_s
+        self.tpot_target_s = tpot_target_s
+        self.options = options
+        cfg = scheduler.config
+        self.candidates = candidate_settings(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.fit = StepTimeFit()
+        self.coeffs = None
+        self.ttft_correction = 1.0
+        self.tpot_correction = 1.0
+        self.num_changes = 0
+        self.num_steps = 0
+        self._steps_since_decision = 0
+        self._start = scheduler.clock()
+        self._changed_at = self._start
+        self._arrivals: deque[tuple[float, int, int]] = deque()  # (arrival, prompt, max_tokens)
+        self._seen: dict[str, float] = {}  # request id -> arrival, for the arrivals window
+        # (arrival time, seconds) of recent requests.
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=options.latency_samples)
+        self._tpot: deque[tuple[float, float]] = deque(maxlen=options.latency_samples)
+        self._mean_output: float | None = None
+        self.workload: Workload | None = None
+        self.points: list[FrontierPoint] = []
+        self.report: dict = self._build_report("waiting for measurements")
+
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+
+    # -- observations (engine thread, after update) --------------------------------------------
+
+    def observe_step(self, duration_s: float, num_batched_tokens: int, num_seqs: int,
+                     first_token: list[Request] = (), finished: list[Request] = ()) -> None:
+        """One executed step: its wall time and shape; the requests that got their first token
+        in it (``first_token_time`` set) and those that finished (``last_token_time`` set)."""
+        self.num_steps += 1
+        self.fit.observe(num_batched_tokens, num_seqs, duration_s)
+        now = self.scheduler.clock()
+        for r in first_token:
+            self._see(r)
+            if r.first_token_time is not None:
+                self._ttft.append((r.arrival_time, r.first_token_time - r.arrival_time))
+        for r in finished:
+            n = r.num_output_tokens
+            if n >= 2 and r.first_token_time is not None and r.last_token_time is not None:
+                self._tpot.append((r.arrival_time, (r.last_token_time - r.first_token_time) / (n - 1)))
+            if n >= 1:
+                self._mean_output = n if self._mean_output is None else self._mean_output + 0.05 * (n - self._mean_output)
+        self._steps_since_decision += 1
+        if self._steps_since_decision >= self.options.interval_steps:
+            self._steps_since_decision = 0
+            self.decide(now)
+
+    def _see(self, r: Request) -> None:
+        if r.request_id not in self._seen:
+            self._seen[r.request_id] = r.arrival_time
+            self._arrivals.append((r.arrival_time, r.num_prompt_tokens, r.max_tokens))
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def decide(self, now: float) -> None:
+        """Refit, re-measure, rebuild the frontier and apply the hysteresis rule."""
+        sched = self.scheduler
+        for r in list(sched.waiting) + list(sched.running):
+            self._see(r)
+        self._forget(now)
+        self.coeffs = self.fit.fit()
+        self.workload = self._measure(now)
+        if self.coeffs is None or self.workload is None:
+            self.report = self._build_report("waiting for measurements")
+            return
+        self._feedback()
+        current = self.setting
+        settings = self.candidates if current in self.candidates else [*self.candidates, current]
+        self.points = frontier(self.coeffs, self.workload, settings, self.ttft_target_s, self.tpot_target_s,
+                               self.ttft_correction, self.tpot_correction)
+        comfort = 1.0 - self.options.margin
+        best = max(self.points, key=lambda p: rank(p, comfort))
+        here = next(p for p in self.points if p.setting == current)
+        reason = "hold"
+        if best.setting != current and self._worth_moving(here, best, comfort):
+            reason = f"move from {current.max_num_seqs}/{current.max_num_batched_tokens}"
+            sched.max_num_seqs = best.setting.max_num_seqs
+            sched.max_num_batched_tokens = best.setting.max_num_batched_tokens
+            self.num_changes += 1
+            self._changed_at = now
+        self.report = self._build_report(reason)
+
+    def _worth_moving(self, here: FrontierPoint, best: FrontierPoint, comfort: float) -> bool:
+        """The hysteresis rule. A setting that violates a target (predicted, or observed on
+        requests that arrived under it) is left for any better-ranked one. A setting that meets
+        the targets is left only for one comfortably inside them (``comfort`` times the targets)
+        that promises ``margin`` more throughput or capacity: the gap between "meets" and
+        "comfortably meets" is a dead band, so noise in the measured load cannot flip a setting
+        back and forth."""
+        r_here, r_best = rank(here, comfort), rank(best, comfort)
+        if here.meets and not self._observed_violation():
+            if r_best[0] < 3:
+                return False
+            return any(g > h * (1.0 + self.options.margin) for g, h in zip(r_best[1:], r_here[1:]))
+        if r_best[0] != r_here[0]:
+            return r_best[0] > r_here[0]
+        return any(g > h * (1.0 + self.options.margin) for g, h in zip(r_best[1:], r_here[1:]))
+
+    def _observed_violation(self) -> bool:
+        ttft, tpot = self._since_change(self._ttft), self._since_change(self._tpot)
+        return ((self.ttft_target_s is not None and ttft is not None and ttft > self.ttft_target_s)
+                or (self.tpot_target_s is not None and tpot is not None and tpot > self.tpot_target_s))
+
+    def _since_change(self, samples) -> float | None:
+        """p99 over requests that arrived after the last change (they saw only this setting);
+        None with fewer than ``min_samples`` of them."""
+        vals = sorted(v for arrived, v in samples if arrived >= self._changed_at)
+        if len(vals) < self.options.min_samples:
+            return None
+        return vals[min(len(vals) - 1, int(0.99 * len(vals)))]
+
+    def _forget(self, now: float) -> None:
+        horizon = now - self.options.window_s
+        while self._arrivals and self._arrivals[0][0] < horizon:
+            self._arrivals.popleft()
+        if len(self._seen) > 4 * len(self._arrivals) + 1024:
+            self._seen = {k: t for k, t in self._seen.items() if t >= horizon}
+        for q in (self._ttft, self._tpot):
+            while q and q[0][0] < horizon:  # arrival order is close enough to completion order here
+                q.popleft()
+
+    def _measure(self, now: float) -> Workload | None:
+        arrivals = [a for a in self._arrivals if a[0] <= now]
+        if not arrivals:
+            return None
+        span = min(self.options.window_s, now - self._start)
+        # Early on the window is short; at least a few steps' worth keeps the rate finite.
+        span = max(span, now - min(a[0] for a in arrivals), 1e-3)
+        prompts = sorted(a[1] for a in arrivals)
+        p99 = prompts[min(len(prompts) - 1, int(0.99 * len(prompts)))]
+        out = self._mean_output
+        if out is None:  # nothing finished yet: assume requests run to their max_tokens
+            out = sum(a[2] for a in arrivals) / len(arrivals)
+        sched = self.scheduler
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        backlog += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        return Workload(len(arrivals) / span, sum(prompts) / len(prompts), float(p99), float(out), backlog)
+
+    def _feedback(self) -> None:
+        """Scale predictions by observed / predicted p99 under the current setting."""
+        if self.coeffs is None or self.workload is None:
+            return
+        _, ttft_pred, tpot_pred = predict(self.coeffs, self.workload, self.setting)
+        for name, samples, pred in (("ttft", self._ttft, ttft_pred), ("tpot", self._tpot, tpot_pred)):
+            observed = self._since_change(samples)
+            if observed is None or not (math.isfinite(pred) and pred > 0):
+                continue
+            ratio = min(max(observed / pred, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1])
+            old = getattr(self, f"{name}_correction")
+            new = math.sqrt(old * ratio)  # geometric smoothing: one noisy window moves it halfway
+            setattr(self, f"{name}_correction", min(max(new, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1]))
+
+    # -- what it reports ------------------------------------------------------------------------
+
+    def observed_p99(self) -> tuple[float | None, float | None]:
+        """p99 TTFT and TPOT (seconds) over the window, None without samples."""
+        def p99(q):
+            vals = sorted(v for _, v in q)
+            return vals[min(len(vals) - 1, int(0.99 * len(vals)))] if vals else None
+
+        return p99(self._ttft), p99(self._tpot)
+
+    def _build_report(self, reason: str) -> dict:
+        def ms(x):
+            return None if x is None else round(x * 1000.0, 3)
+
+        cfg = self.scheduler.config
+        s = self.setting
+        ttft, tpot = self.observed_p99()
+        m, w = self.coeffs, self.workload
+        return {
+            "targets": {"ttft_p99_ms": ms(self.ttft_target_s), "tpot_p99_ms": ms(self.tpot_target_s)},
+            "settings": {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+                         "prefill_chunk_tokens": s.prefill_chunk_tokens},
+            "limits": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens},
+            "step_time_model": None if m is None else {
+                "a_ms": m.a * 1000.0, "b_ms_per_token": m.b * 1000.0, "c_ms_per_seq": m.c * 1000.0,
+                "steps": len(self.fit.steps), "mixed_steps": self.fit.num_mixed},
+            "workload": None if w is None else {
+                "arrival_rate_rps": w.arrival_rate, "mean_prompt_tokens": w.mean_prompt_tokens,
+                "p99_prompt_tokens": w.p99_prompt_tokens, "mean_output_tokens": w.mean_output_tokens,
+                "backlog_tokens": w.backlog_tokens},
+            "observed": {"ttft_p99_ms": ms(ttft), "tpot_p99_ms": ms(tpot),
+                         "ttft_samples": len(self._ttft), "tpot_samples": len(self._tpot)},
+            "corrections": {"ttft": self.ttft_correction, "tpot": self.tpot_correction},
+            "num_changes": self.num_changes,
+            "num_steps": self.num_steps,
+            "last_decision": reason,
+            "frontier": [p.as_dict() for p in self.points],
+        }
