@@ -44,6 +44,11 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="static: fixed batches (only to compare against continuous batching)")
     p.add_argument("--static-batch-size", type=int, default=8, help="batch size of --scheduling static")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="p99 time-to-first-token target; turns on the SLO controller, which tunes "
+                        "--max-num-seqs and --max-num-batched-tokens (as upper limits) online")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="p99 time-per-output-token target of the SLO controller")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
@@ -69,6 +74,8 @@ def engine_config_from_args(args: argparse.Namespace):
             static_batch_size=args.static_batch_size if args.scheduling == "static" else None,
             admission=args.admission,
             kv_watermark=args.kv_watermark,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
         ),
         device=device,
         attention_backend=args.attention_backend,

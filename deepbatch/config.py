@@ -84,6 +84,10 @@ class SchedulerConfig:
     # and a watermark, fit the free blocks, so running requests are rarely preempted.
     admission: str = "greedy"
     kv_watermark: float = 0.01  # fraction of all blocks kept free at admission
+    # p99 latency targets of the SLO controller (scheduler/controller.py); either one turns it on.
+    # It moves max_num_seqs and max_num_batched_tokens at run time, never above the values above.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -98,6 +102,10 @@ class SchedulerConfig:
             raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s: must be >= 0, got {self.priority_aging_s}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name}: must be > 0, got {v}")
         for name in ("tenant_max_running", "tenant_max_tokens_per_minute", "static_batch_size"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -40,13 +40,16 @@ class LLM:
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
         admission: str = "greedy",
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ):
         device = device or default_device()
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
                               envs.DEEPBATCH_CACHE_DIR),
             cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
+                                      slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

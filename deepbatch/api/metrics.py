@@ -76,6 +76,13 @@ class _EngineCollector:
             yield gauge("deepbatch:kv_cache_prefix_only_blocks",
                         "Free KV blocks that still hold reusable prefix-cache KV.", kv.cached_free_blocks)
             yield gauge("deepbatch:kv_cache_blocks_total", "KV blocks in the pool.", kv.num_blocks)
+        ctl = snap.controller
+        if ctl is not None:
+            yield gauge("deepbatch:controller_max_num_seqs", "max_num_seqs set by the SLO controller.",
+                        ctl["settings"]["max_num_seqs"])
+            yield gauge("deepbatch:controller_max_num_batched_tokens",
+                        "max_num_batched_tokens (and prefill chunk bound) set by the SLO controller.",
+                        ctl["settings"]["max_num_batched_tokens"])
 
 
 @dataclass

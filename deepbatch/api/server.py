@@ -190,6 +190,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/v1/controller")
+    async def controller() -> dict:
+        """The SLO controller's settings, targets, step-time model, observed p99s and frontier."""
+        report = engine.snapshot().controller
+        if report is None:
+            raise APIError(404, "the SLO controller is off; start the server with --slo-ttft-ms and/or --slo-tpot-ms",
+                           code="controller_off")
+        return report
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": deepbatch.__version__}

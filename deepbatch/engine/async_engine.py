@@ -69,6 +69,8 @@ class EngineSnapshot:
     # running request's blocks, which is too much work to repeat on every step.
     kv_stats: KVCacheStats | None = None
     kv_stats_time: float = 0.0
+    # The SLO controller's report (``SLOController.report``, replaced, never mutated); None when off.
+    controller: dict | None = None
 
 
 @dataclass
@@ -348,6 +350,7 @@ class AsyncEngine:
             prefix_cache_hits=e.kv_cache.num_hit_tokens, num_preemptions=e.scheduler.num_preemptions,
             num_prompt_tokens=e.stats.num_prompt_tokens, num_generation_tokens=e.stats.num_generation_tokens,
             num_steps=e.stats.num_steps,
+            controller=getattr(getattr(e, "controller", None), "report", None),
         )
         with self._cond:
             self._num_waiting = e.scheduler.num_waiting

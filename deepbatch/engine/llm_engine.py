@@ -23,6 +23,7 @@ from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.model_runner import ModelRunner
+from deepbatch.scheduler.controller import make_controller
 from deepbatch.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class LLMEngine:
         self.runner.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.controller = make_controller(self.scheduler)  # None unless an SLO target is set
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
         self.stats = EngineStats()
@@ -187,6 +189,7 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
+        start = time.monotonic()
         out = self.scheduler.schedule()
         touched: dict[str, None] = {}
         for r in out.finished:
@@ -204,10 +207,12 @@ class LLMEngine:
             if r.num_computed_tokens < r.num_prompt_tokens:  # before update: prompt tokens run now
                 self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         finished = self.scheduler.update(out, sampled)
+        first_token = []
         for i, r in enumerate(sampling):
             self.stats.num_generation_tokens += 1
             if r.first_token_time is None:
                 r.first_token_time = now
+                first_token.append(r)
             r.last_token_time = now
             if sampler_out.logprobs is not None and r.logprobs is not None:
                 r.logprobs.append(sampler_out.logprobs[i])
@@ -219,6 +224,8 @@ class LLMEngine:
             touched[r.parent_id] = None
         for r in finished:
             self._on_finished(r)
+        if self.controller is not None:
+            self.controller.observe_step(now - start, out.num_scheduled_tokens, len(out.scheduled), first_token, finished)
         return self._collect(touched, finished_only)
 
     def _on_finished(self, r: Request) -> None:

@@ -246,3 +246,12 @@ class SLOController:
             "last_decision": reason,
             "frontier": [p.as_dict() for p in self.points],
         }
+
+
+def make_controller(scheduler) -> SLOController | None:
+    """The controller the scheduler's config asks for: None without an SLO target."""
+    ttft_ms, tpot_ms = scheduler.config.slo_ttft_ms, scheduler.config.slo_tpot_ms
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    return SLOController(scheduler, None if ttft_ms is None else ttft_ms / 1000.0,
+                         None if tpot_ms is None else tpot_ms / 1000.0)

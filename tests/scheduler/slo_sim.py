@@ -74,7 +74,7 @@ class SimResult:
     requests: list[Request]
     duration: float  # from the first arrival to the last finish
     num_steps: int
-    settings: list[tuple[int, int]] = field(default_factory=list)  # (seqs, tokens) after each step
+    settings: list[tuple[float, int, int]] = field(default_factory=list)  # (time, seqs, tokens) after each step
     step_log: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, seqs, seconds)
 
     def ttfts(self, since: float = 0.0) -> list[float]:
@@ -89,6 +89,10 @@ class SimResult:
         good = sum(1 for r in self.requests if r.is_finished and r.first_token_time is not None
                    and r.first_token_time - r.arrival_time <= ttft_s and (tpot(r) or 0.0) <= tpot_s)
         return good / self.duration
+
+    def changes(self, since: float = 0.0) -> int:
+        """Setting changes after time ``since``."""
+        return sum(1 for x, y in zip(self.settings, self.settings[1:]) if y[0] >= since and x[1:] != y[1:])
 
     def throughput(self) -> float:
         return sum(1 for r in self.requests if r.is_finished) / self.duration
@@ -148,7 +152,7 @@ def simulate(arrivals: list[Arrival], sched: Scheduler, clock: Clock, model: Ste
             r.last_token_time = clock.t
         if controller is not None:
             controller.observe_step(dt, tokens, seqs, first, finished)
-        settings.append((sched.max_num_seqs, sched.max_num_batched_tokens))
+        settings.append((clock.t, sched.max_num_seqs, sched.max_num_batched_tokens))
         step_log.append((tokens, seqs, dt))
     start = arrivals[0].time if arrivals else 0.0
     return SimResult(requests, max(clock.t - start, 1e-9), steps, settings, step_log)
