@@ -14,9 +14,11 @@ one token-budget loop is untouched.
 Hysteresis: a decision happens at most once every ``interval_steps`` steps, and the setting
 changes only when the best candidate is in a better class (meets both targets > meets TPOT >
 neither) or, in the same class, promises more than ``margin`` more throughput (capacity when the
-load is below every candidate's). Feedback: once ``min_samples`` requests have finished under the
-current setting, the ratio of their observed p99 to the predicted p99 scales every prediction
-(smoothed, clamped to [0.5, 4]), so a model that is wrong in level still ranks settings.
+load is below every candidate's). Feedback: once ``min_samples`` requests that arrived under the
+current setting have their TTFT (or TPOT), the ratio of their observed p99 to the predicted one
+is kept for that setting (smoothed, clamped to [0.5, 4]) and scales its predictions from then on,
+and by monotonicity those of settings bigger (TPOT) or smaller (TTFT) than it; an observed p99
+over a target also counts as a violation of the current setting whatever the model says.
 
 Thread-safety: every method runs on the engine thread. ``report`` is rebuilt as a new dict at
 each decision and never mutated afterwards, so other threads may read the reference.
@@ -58,13 +60,18 @@ class SLOController:
         self.candidates = candidate_settings(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.fit = StepTimeFit()
         self.coeffs = None
-        self.ttft_correction = 1.0
-        self.tpot_correction = 1.0
+        # Observed / predicted p99 (TTFT, TPOT) of each setting that has run, with when it was
+        # measured: the feedback that corrects the model (see ``corrections``).
+        self.observed_ratios: dict[Setting, tuple[float, float | None, float | None]] = {}
+        # Settings left because they violated a target, as far as their batches reached:
+        # (when, arrivals/s then).
+        self._left: dict[Setting, tuple[float, float]] = {}
         self.num_changes = 0
         self.num_steps = 0
         self._steps_since_decision = 0
         self._start = scheduler.clock()
         self._changed_at = self._start
+        self._used = (0, 0)  # most seqs and tokens one step used since the last change
         self._arrivals: deque[tuple[float, int, int]] = deque()  # (arrival, prompt, max_tokens)
         self._seen: dict[str, float] = {}  # request id -> arrival, for the arrivals window
         # (arrival time, seconds) of recent requests.
@@ -87,6 +94,7 @@ class SLOController:
         in it (``first_token_time`` set) and those that finished (``last_token_time`` set)."""
         self.num_steps += 1
         self.fit.observe(num_batched_tokens, num_seqs, duration_s)
+        self._used = (max(self._used[0], num_seqs), max(self._used[1], num_batched_tokens))
         now = self.scheduler.clock()
         for r in first_token:
             self._see(r)
@@ -121,31 +129,65 @@ class SLOController:
         if self.coeffs is None or self.workload is None:
             self.report = self._build_report("waiting for measurements")
             return
-        self._feedback()
+        self._feedback(now)
         current = self.setting
         settings = self.candidates if current in self.candidates else [*self.candidates, current]
         self.points = frontier(self.coeffs, self.workload, settings, self.ttft_target_s, self.tpot_target_s,
-                               self.ttft_correction, self.tpot_correction)
+                               self.corrections)
         comfort = 1.0 - self.options.margin
-        best = max(self.points, key=lambda p: rank(p, comfort))
+        best = max(self.points, key=lambda p: self._rank(p, comfort, now))
         here = next(p for p in self.points if p.setting == current)
         reason = "hold"
-        if best.setting != current and self._worth_moving(here, best, comfort):
+        if best.setting != current and self._worth_moving(here, best, comfort, now):
             reason = f"move from {current.max_num_seqs}/{current.max_num_batched_tokens}"
+            if not here.meets or self._observed_violation():
+                # What the batches actually reached: limits above that did not bind.
+                used = Setting(min(current.max_num_seqs, self._used[0]), min(current.max_num_batched_tokens, self._used[1]))
+                self._left[used] = (now, self.workload.arrival_rate)
             sched.max_num_seqs = best.setting.max_num_seqs
             sched.max_num_batched_tokens = best.setting.max_num_batched_tokens
             self.num_changes += 1
             self._changed_at = now
+            self._used = (0, 0)
         self.report = self._build_report(reason)
 
-    def _worth_moving(self, here: FrontierPoint, best: FrontierPoint, comfort: float) -> bool:
+    def _rank(self, p: FrontierPoint, comfort: float, now: float) -> tuple:
+        """``rank``, except that a setting allowing 80% or more of the batches that a setting left
+        for violating a target reached (at this load or more, within the last ``2 * window_s``)
+        never counts as comfortably feasible: the model already got it wrong once, so it is not
+        a reason to move."""
+        r = rank(p, comfort)
+        if r[0] == 3 and self._backed_off(p.setting, now):
+            return (2, *r[1:])
+        return r
+
+    def _backed_off(self, s: Setting, now: float) -> bool:
+        lam = self.workload.arrival_rate if self.workload else 0.0
+        for y, (t, lam_then) in self._left.items():
+            if (now - t <= 2 * self.options.window_s and lam >= (1.0 - self.options.margin) * lam_then
+                    and self._at_least(s, Setting(int(0.8 * y.max_num_seqs), int(0.8 * y.max_num_batched_tokens)))):
+                return True
+        return False
+
+    def _at_least(self, s: Setting, y: Setting) -> bool:
+        """``s`` allows at least the batches ``y`` allows. A budget counts only up to what a step
+        can use (the seats' decodes plus two p99 prompts): past that, a bigger budget changes
+        nothing, so 256/4096 is as large as 256/8192 for 300-token prompts."""
+        spare = 2 * (self.workload.p99_prompt_tokens if self.workload else 0.0)
+
+        def usable(x: Setting) -> float:
+            return min(x.max_num_batched_tokens, x.max_num_seqs + spare)
+
+        return s.max_num_seqs >= y.max_num_seqs and usable(s) >= usable(y)
+
+    def _worth_moving(self, here: FrontierPoint, best: FrontierPoint, comfort: float, now: float) -> bool:
         """The hysteresis rule. A setting that violates a target (predicted, or observed on
         requests that arrived under it) is left for any better-ranked one. A setting that meets
         the targets is left only for one comfortably inside them (``comfort`` times the targets)
         that promises ``margin`` more throughput or capacity: the gap between "meets" and
         "comfortably meets" is a dead band, so noise in the measured load cannot flip a setting
         back and forth."""
-        r_here, r_best = rank(here, comfort), rank(best, comfort)
+        r_here, r_best = self._rank(here, comfort, now), self._rank(best, comfort, now)
         if here.meets and not self._observed_violation():
             if r_best[0] < 3:
                 return False
@@ -192,21 +234,52 @@ class SLOController:
         sched = self.scheduler
         backlog = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         backlog += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
-        return Workload(len(arrivals) / span, sum(prompts) / len(prompts), float(p99), float(out), backlog)
+        # Plan for one standard error above the measured rate (Poisson counts): a dip in the
+        # estimate must not, by itself, move the controller to a setting the true load breaks.
+        rate = (len(arrivals) + math.sqrt(len(arrivals))) / span
+        return Workload(rate, sum(prompts) / len(prompts), float(p99), float(out), backlog)
 
-    def _feedback(self) -> None:
-        """Scale predictions by observed / predicted p99 under the current setting."""
-        if self.coeffs is None or self.workload is None:
-            return
+    def _feedback(self, now: float) -> None:
+        """Record observed / predicted p99 under the current setting. Both sides are floored at
+        a quarter of the target first: errors far below a target change no decision, and a
+        ratio of two tiny numbers must not scale the predictions of settings near it."""
         _, ttft_pred, tpot_pred = predict(self.coeffs, self.workload, self.setting)
-        for name, samples, pred in (("ttft", self._ttft, ttft_pred), ("tpot", self._tpot, tpot_pred)):
+        old = self.observed_ratios.get(self.setting)
+        ratios = []
+        for i, (samples, pred, target) in enumerate(((self._ttft, ttft_pred, self.ttft_target_s),
+                                                     (self._tpot, tpot_pred, self.tpot_target_s))):
             observed = self._since_change(samples)
-            if observed is None or not (math.isfinite(pred) and pred > 0):
+            if observed is None or target is None or not math.isfinite(pred):
+                ratios.append(old[1 + i] if old else None)
                 continue
-            ratio = min(max(observed / pred, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1])
-            old = getattr(self, f"{name}_correction")
-            new = math.sqrt(old * ratio)  # geometric smoothing: one noisy window moves it halfway
-            setattr(self, f"{name}_correction", min(max(new, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1]))
+            floor = 0.25 * target
+            ratio = max(observed, floor) / max(pred, floor)
+            if old and old[1 + i] is not None:
+                ratio = math.sqrt(old[1 + i] * ratio)  # smoothed: one noisy window moves it halfway
+            ratios.append(min(max(ratio, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1]))
+        if ratios != [None, None]:
+            self.observed_ratios[self.setting] = (now, *ratios)
+        stale = now - 3 * self.options.window_s
+        self.observed_ratios = {s: r for s, r in self.observed_ratios.items() if r[0] >= stale}
+
+    def corrections(self, s: Setting) -> tuple[float, float]:
+        """(TTFT, TPOT) factors for setting ``s``: its own observed ratios when it has run;
+        otherwise what monotonicity carries over from settings that have. A setting with at least
+        as many seats and tokens as one whose TPOT came out worse than predicted is at least as
+        slow per token; one with at most as many as one whose TTFT came out worse queues at
+        least as long. Only pessimistic ratios (> 1) carry over."""
+        own = self.observed_ratios.get(s)
+        k_ttft = k_tpot = 1.0
+        for y, (_, r_ttft, r_tpot) in self.observed_ratios.items():
+            bigger, smaller = self._at_least(s, y), self._at_least(y, s)
+            if r_tpot is not None and bigger:
+                k_tpot = max(k_tpot, r_tpot)
+            if r_ttft is not None and smaller:
+                k_ttft = max(k_ttft, r_ttft)
+        if own is not None:
+            k_ttft = own[1] if own[1] is not None else k_ttft
+            k_tpot = own[2] if own[2] is not None else k_tpot
+        return k_ttft, k_tpot
 
     # -- what it reports ------------------------------------------------------------------------
 
@@ -240,7 +313,9 @@ class SLOController:
                 "backlog_tokens": w.backlog_tokens},
             "observed": {"ttft_p99_ms": ms(ttft), "tpot_p99_ms": ms(tpot),
                          "ttft_samples": len(self._ttft), "tpot_samples": len(self._tpot)},
-            "corrections": {"ttft": self.ttft_correction, "tpot": self.tpot_correction},
+            "observed_ratios": [
+                {"max_num_seqs": k.max_num_seqs, "max_num_batched_tokens": k.max_num_batched_tokens,
+                 "ttft": r[1], "tpot": r[2]} for k, r in self.observed_ratios.items()],
             "num_changes": self.num_changes,
             "num_steps": self.num_steps,
             "last_decision": reason,

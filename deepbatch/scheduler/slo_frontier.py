@@ -26,6 +26,7 @@ correctly more than it must be exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepbatch.scheduler.step_time import StepTimeCoeffs
@@ -145,14 +146,16 @@ def _p99_wait(rho: float, servers: int, service_s: float) -> float:
 
 
 def frontier(m: StepTimeCoeffs, w: Workload, settings: list[Setting], ttft_target_s: float | None,
-             tpot_target_s: float | None, ttft_correction: float = 1.0,
-             tpot_correction: float = 1.0) -> list[FrontierPoint]:
-    """One point per setting, in the order given. A missing target is always met."""
+             tpot_target_s: float | None,
+             corrections: Callable[[Setting], tuple[float, float]] = lambda s: (1.0, 1.0)) -> list[FrontierPoint]:
+    """One point per setting, in the order given; ``corrections(setting)`` gives the factors
+    (TTFT, TPOT) that scale its predicted latencies. A missing target is always met."""
     points = []
     for s in settings:
         capacity, ttft, tpot = predict(m, w, s)
-        ttft *= ttft_correction
-        tpot *= tpot_correction
+        k_ttft, k_tpot = corrections(s)
+        ttft *= k_ttft
+        tpot *= k_tpot
         points.append(FrontierPoint(
             s, capacity, min(w.arrival_rate, capacity), ttft, tpot,
             meets_ttft=ttft_target_s is None or ttft <= ttft_target_s,
