@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-rates", default=None, help="comma list of rates, e.g. 1,2,4,8; overrides --request-rate")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: goodput and p99 vs rate")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--label", default=None,
+                   help="names this run in the JSON (e.g. the server's settings), for serve_compare")
     p.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -86,6 +88,15 @@ async def _discover(client: httpx.AsyncClient, args) -> tuple[str, int | None]:
         raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
     model = args.model or card["id"]
     return model, (card or {}).get("max_model_len")
+
+
+async def _controller_report(client: httpx.AsyncClient, args) -> dict | None:
+    """The server's GET /v1/controller, or None when it has no SLO controller (or no route)."""
+    try:
+        resp = await client.get("/v1/controller", headers=_headers(args.api_key))
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 async def send_request(client: httpx.AsyncClient, spec: RequestSpec, model: str, args) -> RequestResult:
@@ -206,7 +217,7 @@ async def _bench(args) -> dict:
         config = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": args.base_url,
                   "model": model, "workload": args.workload, "num_prompts": args.num_prompts, "seed": args.seed,
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                  "goodput": {k: v * 1000.0 for k, v in slo.items()}}
+                  "goodput": {k: v * 1000.0 for k, v in slo.items()}, "label": args.label}
         runs = []
         for rate in rates:
             reqs = build_requests(args, rate, max_model_len)
@@ -218,10 +229,14 @@ async def _bench(args) -> dict:
             errors = sorted({r.error for r in results if r.error})
             if errors:
                 print(f"{len(errors)} distinct errors, e.g.: {errors[0]}", file=sys.stderr)
-            runs.append({**config, "request_rate": rate, **summary, "requests": per_request(results)})
+            run_result = {**config, "request_rate": rate, **summary, "requests": per_request(results)}
+            report = await _controller_report(client, args)
+            if report is not None:  # where the server's SLO controller stood at the end of this rate
+                run_result["controller"] = report
+            runs.append(run_result)
     if not args.sweep_rates:
         return runs[0]
-    rows = [{k: v for k, v in r.items() if k != "requests"} for r in runs]
+    rows = [{k: v for k, v in r.items() if k not in ("requests", "controller")} for r in runs]
     print(format_sweep(rows), flush=True)
     return {**config, "sweep": runs}
 
