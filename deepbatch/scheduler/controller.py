@@ -11,10 +11,13 @@ one token-budget loop is untouched.
                                          correct by observed p99 / predicted p99 (feedback)
                                          move only past the hysteresis margin
 
-Hysteresis: a decision happens at most once every ``interval_steps`` steps, and the setting
-changes only when the best candidate is in a better class (meets both targets > meets TPOT >
-neither) or, in the same class, promises more than ``margin`` more throughput (capacity when the
-load is below every candidate's). Feedback: once ``min_samples`` requests that arrived under the
+Hysteresis: a decision happens at most once every ``interval_steps`` steps. A setting that
+violates a target (predicted, or observed) is left for the best-ranked one (meets both targets >
+meets TPOT > neither; see ``slo_frontier.rank``). A setting that meets them is left only for one
+that meets them with ``margin`` to spare and promises ``margin`` more throughput or capacity: the
+band between "meets" and "meets with room" absorbs noise in the measured load. A setting left for
+a violation is not taken for comfortable again at the same load for ``2 * window_s``.
+Feedback: once ``min_samples`` requests that arrived under the
 current setting have their TTFT (or TPOT), the ratio of their observed p99 to the predicted one
 is kept for that setting (smoothed, clamped to [0.5, 4]) and scales its predictions from then on,
 and by monotonicity those of settings bigger (TPOT) or smaller (TTFT) than it; an observed p99
@@ -135,12 +138,13 @@ class SLOController:
         self.points = frontier(self.coeffs, self.workload, settings, self.ttft_target_s, self.tpot_target_s,
                                self.corrections)
         comfort = 1.0 - self.options.margin
-        best = max(self.points, key=lambda p: self._rank(p, comfort, now))
+        violated = self._observed_violation()
+        best = max(self.points, key=lambda p: self._rank(p, comfort, now, violated))
         here = next(p for p in self.points if p.setting == current)
         reason = "hold"
-        if best.setting != current and self._worth_moving(here, best, comfort, now):
+        if best.setting != current and self._worth_moving(here, best, comfort, now, violated):
             reason = f"move from {current.max_num_seqs}/{current.max_num_batched_tokens}"
-            if not here.meets or self._observed_violation():
+            if violated or not here.meets:
                 # What the batches actually reached: limits above that did not bind.
                 used = Setting(min(current.max_num_seqs, self._used[0]), min(current.max_num_batched_tokens, self._used[1]))
                 self._left[used] = (now, self.workload.arrival_rate)
@@ -151,12 +155,14 @@ class SLOController:
             self._used = (0, 0)
         self.report = self._build_report(reason)
 
-    def _rank(self, p: FrontierPoint, comfort: float, now: float) -> tuple:
-        """``rank``, except that a setting allowing 80% or more of the batches that a setting left
-        for violating a target reached (at this load or more, within the last ``2 * window_s``)
-        never counts as comfortably feasible: the model already got it wrong once, so it is not
-        a reason to move."""
+    def _rank(self, p: FrontierPoint, comfort: float, now: float, violated: bool) -> tuple:
+        """``rank``, with feedback: the current setting ranks as meeting nothing when its
+        observed p99 is over a target (``violated``), whatever the model says; and a setting allowing 80% or more of the batches that a setting left for a
+        violation reached (at this load or more, within the last ``2 * window_s``) never counts
+        as comfortably feasible: the model already got that region wrong once."""
         r = rank(p, comfort)
+        if violated and p.setting == self.setting:
+            return (0, *r[1:])
         if r[0] == 3 and self._backed_off(p.setting, now):
             return (2, *r[1:])
         return r
@@ -180,21 +186,19 @@ class SLOController:
 
         return s.max_num_seqs >= y.max_num_seqs and usable(s) >= usable(y)
 
-    def _worth_moving(self, here: FrontierPoint, best: FrontierPoint, comfort: float, now: float) -> bool:
+    def _worth_moving(self, here: FrontierPoint, best: FrontierPoint, comfort: float, now: float,
+                      violated: bool) -> bool:
         """The hysteresis rule. A setting that violates a target (predicted, or observed on
         requests that arrived under it) is left for any better-ranked one. A setting that meets
         the targets is left only for one comfortably inside them (``comfort`` times the targets)
         that promises ``margin`` more throughput or capacity: the gap between "meets" and
         "comfortably meets" is a dead band, so noise in the measured load cannot flip a setting
         back and forth."""
-        r_here, r_best = self._rank(here, comfort, now), self._rank(best, comfort, now)
-        if here.meets and not self._observed_violation():
-            if r_best[0] < 3:
-                return False
-            return any(g > h * (1.0 + self.options.margin) for g, h in zip(r_best[1:], r_here[1:]))
-        if r_best[0] != r_here[0]:
-            return r_best[0] > r_here[0]
-        return any(g > h * (1.0 + self.options.margin) for g, h in zip(r_best[1:], r_here[1:]))
+        r_here, r_best = self._rank(here, comfort, now, violated), self._rank(best, comfort, now, violated)
+        gain = any(g > h * (1.0 + self.options.margin) for g, h in zip(r_best[1:], r_here[1:]))
+        if here.meets and not violated:
+            return r_best[0] == 3 and gain
+        return r_best[0] > r_here[0] or (r_best[0] == r_here[0] and gain)
 
     def _observed_violation(self) -> bool:
         ttft, tpot = self._since_change(self._ttft), self._since_change(self._tpot)
@@ -218,9 +222,12 @@ class SLOController:
         for q in (self._ttft, self._tpot):
             while q and q[0][0] < horizon:  # arrival order is close enough to completion order here
                 q.popleft()
+        self._left = {s: v for s, v in self._left.items() if now - v[0] <= 2 * self.options.window_s}
 
     def _measure(self, now: float) -> Workload | None:
-        arrivals = [a for a in self._arrivals if a[0] <= now]
+        horizon = now - self.options.window_s
+        # The deque is in the order requests were seen, which is only roughly arrival order.
+        arrivals = [a for a in self._arrivals if horizon <= a[0] <= now]
         if not arrivals:
             return None
         span = min(self.options.window_s, now - self._start)
