@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD${PYTHONPA
 MODEL=${MODEL:-benchmarks/models/qwen3-0.6b.json}  # random weights, token-id prompts
 PORT=${PORT:-8100}
 RATES=${RATES:-10,20,40}                 # requests/s of the SLO sweep
-N=${N:-150}                              # requests per rate
+N=${N:-120}                              # requests per rate
 SLO_TTFT=${SLO_TTFT:-500} SLO_TPOT=${SLO_TPOT:-25}  # p99 targets, ms (controller and goodput)
 FIXED=${FIXED:-"256:8192 64:2048"}       # fixed settings (max_num_seqs:max_num_batched_tokens)
 SERVE=(python3 -m deepbatch.cli serve "$MODEL" --port "$PORT" --max-model-len 8192 --max-queued-requests 0)
