@@ -9,14 +9,15 @@ outputs of ``O`` tokens and ``t(tokens, seqs) = a + b*tokens + c*seqs``:
   tokens that keep those seats refilled; it finishes ``d/O`` requests in ``t(d + d*P/O, d + 1)``.
 - loaded step time: by Little's law ``lam*t*O`` requests decode at once and ``lam*t*(P+O)`` tokens
   run per step, so ``t = (a + c) / (1 - lam*(b*(P+O) + c*O))``, capped at the saturated time.
-- TPOT p99: the loaded step time, except while a p99 prompt is prefilled: it takes
-  ``ceil(L / chunk)`` steps of a full budget (``chunk = B - decodes``), and a request whose
-  decode overlaps it sees those steps for up to all ``O`` of its tokens. A smaller budget makes
-  those steps shorter.
+- TPOT p99: the step time with the p99 number of decodes in it. Concurrency swings around its
+  mean ``lam*t*O`` (Poisson-like, widened by ``1/(1 - utilization)`` because a longer step lets
+  more arrivals join the next one) up to the seats, and a step never holds more than the budget,
+  so both limits cap it. A request whose decode overlaps the prefill of a p99 prompt also sees
+  ``ceil(L / chunk)`` full-budget steps (``chunk = B - decodes``) among its ``O`` tokens.
 - TTFT p99: the prompt tokens already queued ahead (drained a chunk per full step; counting them
-  keeps a burst from shrinking the budget that drains it), plus the M/M/1 p99 wait at this load,
-  ``ln(100*rho) / (mu - lam)``, plus the prefill of a p99 prompt. Infinite when ``lam >= mu``:
-  the queue grows without bound.
+  keeps a burst from shrinking the budget that drains it), plus the p99 wait for a seat (the
+  ``S`` seats as servers of an M/G/c queue, each held for ``O`` saturated steps), plus the prefill
+  of a p99 prompt. Infinite when ``lam`` reaches the capacity: the queue grows without bound.
 
 The model ignores KV-cache limits and the variance of lengths beyond the p99 prompt; the
 controller corrects its latencies with observed p99s (feedback), so it must rank settings
