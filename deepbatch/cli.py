@@ -48,6 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on for CUDA)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -73,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=device,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

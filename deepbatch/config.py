@@ -112,6 +112,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
+    # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
+    async_scheduling: bool | None = None
     log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ class LLM:
         device: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
@@ -50,6 +51,7 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         torch.manual_seed(seed)
         self.engine = LLMEngine(config)
@@ -107,11 +109,7 @@ class LLM:
         ]
         order = {}
         for i, requests in enumerate(batches):
-            pid = requests[0].parent_id
-            order[pid] = i
-            engine._children[pid] = requests
-            for r in requests:
-                engine.scheduler.add_request(r)
+            order[engine.enqueue(requests)] = i
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="Generating", unit="req", disable=not use_tqdm or len(items) < 2)
         try:

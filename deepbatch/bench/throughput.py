@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile", action="store_true", help="print where the host's time goes (cProfile)")
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096,
+              async_scheduling=args.async_scheduling)
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests)

@@ -5,6 +5,18 @@
                 sampled = runner.execute(out)
                 finished = scheduler.update(out, sampled)     # EOS, stop ids, lengths
                 detokenize, stop strings, outputs, stats       # hang off update
+
+With async scheduling (the default on a GPU) the host schedules and launches step N+1 before it
+waits for step N's sampled ids, so scheduling, batch building and output handling overlap the
+device instead of leaving it idle between steps::
+
+    host:    schedule N+1 | launch N+1 | commit N (wait N's ids) | advance N+1 | schedule N+2 ...
+    device:  ..... step N ..........   | step N+1 .....................................
+
+A request's token from step N is *pending* while step N+1 is scheduled: it counts as a token,
+step N+1 reads its id on the device, and ``commit`` fills it in. A request that stops at step N
+(EOS, stop string) was already scheduled in N+1: that one extra token is computed and dropped.
+Requests whose sampler needs their full history on the host (penalties) run synchronously.
 """
 
 from __future__ import annotations
@@ -23,7 +35,8 @@ from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.model_runner import ModelRunner
-from deepbatch.scheduler.scheduler import Scheduler
+from deepbatch.sampling.sampler import PendingSample, SamplerOutput
+from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +73,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
         self._ids = itertools.count()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # launched, not committed
+        self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB per block)",
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
@@ -159,13 +176,17 @@ class LLMEngine:
 
     def add_request(self, request_id, prompt, params: SamplingParams, priority: int = 0, tenant: str = "default",
                     arrival_time: float | None = None) -> str:
-        requests = self.make_requests(request_id, prompt, params, priority, tenant, arrival_time)
+        return self.enqueue(self.make_requests(request_id, prompt, params, priority, tenant, arrival_time))
+
+    def enqueue(self, requests: list[Request]) -> str:
+        """Queue the samples of one parent request (from ``make_requests``); returns its id."""
         parent = requests[0].parent_id
         if parent in self._children:
             raise InvalidRequestError("request_id", f"request id {parent!r} is already in use")
         self._children[parent] = requests
         for r in requests:
             self.scheduler.add_request(r)
+            self._num_sync_only += r.sampling_params.needs_penalties
         return parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -180,49 +201,69 @@ class LLMEngine:
         return self._output(request_id, children)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
-        out = self.scheduler.schedule()
         touched: dict[str, None] = {}
+        pipelined = self.async_scheduling and self._num_sync_only == 0
+        if not pipelined and self._inflight is not None:
+            self._commit(*self._inflight, touched)  # drain before running synchronously
+            self._inflight = None
+            return self._collect(touched, finished_only)
+        out = self.scheduler.schedule()
         for r in out.finished:
             self._on_finished(r)
             touched[r.parent_id] = None
-        if out.is_empty:
+        pending = None
+        if not out.is_empty:
+            self.stats.num_steps += 1
+            for s in out.scheduled:
+                r = s.request
+                if r.num_computed_tokens < r.num_prompt_tokens:  # before advance: prompt tokens run now
+                    self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+            pending = self.runner.launch(out)
+        if not pipelined:
+            self.scheduler.advance(out, pending=False)
+            if pending is not None:
+                self._commit(out, pending, touched)
             return self._collect(touched, finished_only)
-        self.stats.num_steps += 1
-        sampler_out = self.runner.execute(out)
+        if self._inflight is not None:
+            self._commit(*self._inflight, touched)  # waits for the previous step only
+        self.scheduler.advance(out, pending=True)
+        self._inflight = (out, pending) if pending is not None else None
+        return self._collect(touched, finished_only)
+
+    def _commit(self, out: SchedulerOutput, pending: PendingSample, touched: dict[str, None]) -> None:
+        """Take a launched step's sampled tokens: stop checks, detokenize, timestamps."""
+        sampler_out: SamplerOutput = pending.resolve()
         sampling = [s.request for s in out.scheduled if s.samples]
-        sampled = {r.request_id: tok for r, tok in zip(sampling, sampler_out.token_ids)}
         now = time.monotonic()
-        for s in out.scheduled:
-            r = s.request
-            if r.num_computed_tokens < r.num_prompt_tokens:  # before update: prompt tokens run now
-                self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        finished = self.scheduler.update(out, sampled)
-        for i, r in enumerate(sampling):
+        for i, (r, token) in enumerate(zip(sampling, sampler_out.token_ids)):
+            if r.is_finished:
+                continue  # stopped or aborted while this step ran; its token is dropped
             self.stats.num_generation_tokens += 1
+            finished = self.scheduler.commit_token(r, token)
             if r.first_token_time is None:
                 r.first_token_time = now
             r.last_token_time = now
             if sampler_out.logprobs is not None and r.logprobs is not None:
                 r.logprobs.append(sampler_out.logprobs[i])
-            stop = self.detokenizer.update(r, [r.output_token_ids[-1]])
+            stop = self.detokenizer.update(r, [token])
             if stop is not None and not r.is_finished:
                 r.stop_reason = stop
                 self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-                finished.append(r)
+                finished = True
+            if finished:
+                self._on_finished(r)
             touched[r.parent_id] = None
-        for r in finished:
-            self._on_finished(r)
-        return self._collect(touched, finished_only)
 
     def _on_finished(self, r: Request) -> None:
         self.runner.sampler.forget(r.request_id)
+        self._num_sync_only -= r.sampling_params.needs_penalties
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
 
@@ -242,7 +283,8 @@ class LLMEngine:
     def _output(parent_id: str, children: list[Request]) -> RequestOutput:
         first = children[0]
         completions = [
-            CompletionOutput(r.index, r.output_text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
+            CompletionOutput(r.index, r.output_text, r.output_token_ids[: r.num_output_tokens - r.num_pending_tokens],
+                             r.finish_reason, r.stop_reason,
                              list(r.logprobs) if r.logprobs is not None else None)
             for r in children
         ]

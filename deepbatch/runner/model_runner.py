@@ -20,7 +20,8 @@ from deepbatch.config import EngineConfig
 from deepbatch.layers.attention import make_backend
 from deepbatch.runner.cuda_graph import DecodeCudaGraphs
 from deepbatch.runner.forward_batch import ForwardBatch
-from deepbatch.sampling.sampler import Sampler, SamplerOutput
+from deepbatch.engine.request import PENDING_TOKEN, Request
+from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
 from deepbatch.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, self.device)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: DecodeCudaGraphs | None = None
+        # The last launched step's sampled ids, still on the device, and each sampling
+        # request's row in them: a pending input token is read from there.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -139,12 +144,17 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens, logits_idx = [], [], [], [0], [], []
+        pending_rows, pending_src = [], []
         max_blocks = 1
         for s in out.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
-                ids.append((r.all_token_ids[start],))
+                token = r.all_token_ids[start]
+                if token == PENDING_TOKEN:  # sampled by the step still in flight
+                    pending_rows.append(qsl[-1])
+                    pending_src.append(self._last_rows[r.request_id])
+                ids.append((token,))
                 positions.append((start,))
                 slots.append((r.block_ids[start // bs] * bs + start % bs,))
             else:
@@ -171,8 +181,14 @@ class ModelRunner:
             host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
             return (host.pin_memory() if pin else host).to(device=dev, non_blocking=True)
 
+        input_ids = t(np.concatenate(ids).astype(np.int64, copy=False), torch.long)
+        if pending_rows:
+            # Stream order makes this read the previous step's sampled ids once they exist.
+            rows = t(np.asarray(pending_rows + pending_src, dtype=np.int64), torch.long)
+            n = len(pending_rows)
+            input_ids[rows[:n]] = self._last_sampled[rows[n:]]
         return ForwardBatch(
-            input_ids=t(np.concatenate(ids).astype(np.int64, copy=False), torch.long),
+            input_ids=input_ids,
             positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
             slot_mapping=t(np.concatenate(slots).astype(np.int64, copy=False), torch.long),
             query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
@@ -185,15 +201,25 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run the step; returns one sampled token per request whose chunk reached its end, in
-        the order of ``out.scheduled``."""
+        """Run the step and wait for it; returns one sampled token per request whose chunk
+        reached its end, in the order of ``out.scheduled``."""
+        pending = self.launch(out)
+        return pending.resolve() if pending is not None else SamplerOutput([])
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput) -> PendingSample | None:
+        """Queue the step on the device and return without waiting (None when no request
+        samples). Inputs may be pending tokens of the previous launch."""
         batch = self.build_batch(out)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
         if not sampling:
-            return SamplerOutput([])
+            return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self.sampler(logits, sampling)
+        pending = self.sampler.sample(logits, sampling)
+        self._last_sampled = pending.token_ids
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
+        return pending

@@ -30,12 +30,13 @@ from deepbatch.scheduler.policy import make_policy
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # True when this chunk reaches the request's newest token, so a token is sampled. Fixed
+    # when scheduled: the request's counters move on before the step's tokens are committed.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's newest token, so a token is sampled."""
+    def __post_init__(self) -> None:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclass
@@ -131,6 +132,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and self._reaches_length(request):
+                i += 1  # its pending token is its last; nothing more to run
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]  # possibly the request itself
@@ -226,21 +230,43 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance counters after the model ran; append sampled tokens; return the requests that
         finished through a stop condition the scheduler can see (EOS, stop ids, lengths)."""
+        self.advance(out, pending=False)
         finished = []
         for s in out.scheduled:
-            request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._remove_running(request)
-                self.requests.pop(request.request_id, None)
-                self._finish(request, status)
-                finished.append(request)
+            token = sampled.get(s.request.request_id)
+            if token is not None and self.commit_token(s.request, token):
+                finished.append(s.request)
         return finished
+
+    def advance(self, out: SchedulerOutput, pending: bool = True) -> None:
+        """Count the step's tokens as computed once the step is launched. With ``pending``, a
+        request that samples gets a pending token, so the next step can be scheduled before the
+        sampled id reaches the host (async scheduling); ``commit_token`` fills it in."""
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:
+                continue  # ended (stop string, abort) while its step ran; the step's token is dropped
+            request.num_computed_tokens += s.num_new_tokens
+            if s.samples and pending:
+                request.append_pending_token()
+
+    def commit_token(self, request: Request, token: int) -> bool:
+        """Record a sampled token (filling the pending one, if any) and apply the stop checks.
+        Returns True when the request finished here."""
+        if request.num_pending_tokens:
+            request.commit_pending_token(token)
+        else:
+            request.append_output_token(token)
+        status = self._check_stop(request, token)
+        if status is None:
+            return False
+        if request in self.running:
+            self._remove_running(request)
+        elif request in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+        self._finish(request, status)
+        return True
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -253,9 +279,12 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _reaches_length(self, request: Request) -> bool:
+        return request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)

@@ -1,0 +1,79 @@
+"""Where a steady-state step's time goes on the GPU: device time per kernel family and the
+host gap (wall time of a step minus the device busy time in it).
+
+    python benchmarks/gpu_profile.py --model-config benchmarks/models/qwen3-0.6b.json --workload nano
+
+It runs the workload's requests until ``--warm-steps`` steps have passed (decode at full batch),
+then profiles ``--steps`` steps with ``torch.profiler`` and prints the kernel table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from deepbatch import LLM, SamplingParams
+from deepbatch.bench.workloads import make_workload
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-config", required=True)
+    ap.add_argument("--workload", default="nano")
+    ap.add_argument("--warm-steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    llm = LLM(args.model_config, dtype="bfloat16", random_weights=True, max_model_len=4096,
+              async_scheduling=args.async_scheduling)
+    engine = llm.engine
+    w = make_workload(args.workload, engine.hf_config.vocab_size, None)
+    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
+        engine.add_request(str(i), {"prompt_token_ids": p},
+                           SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True))
+    for _ in range(args.warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    batch_sizes, tokens = [], []
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            batch_sizes.append(engine.scheduler.num_running)
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in events)
+    rows = sorted(((e.key, e.self_device_time_total / args.steps, e.count // args.steps) for e in events),
+                  key=lambda r: -r[1])
+    print(f"{args.steps} steps, batch ~{sum(batch_sizes) / len(batch_sizes):.0f}: wall {wall / args.steps * 1e3:.2f} ms/step "
+          f"(profiled), device busy {device_us / args.steps / 1e3:.2f} ms/step")
+    print(f"{'kernel':<90} {'us/step':>9} {'calls/step':>10}")
+    for key, us, calls in rows[:25]:
+        print(f"{key[:90]:<90} {us:>9.1f} {calls:>10}")
+    # Unprofiled timing of the next steps (the profiler slows the host).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 0
+    while n < args.steps and engine.has_unfinished_requests():
+        engine.step()
+        n += 1
+    torch.cuda.synchronize()
+    plain = (time.perf_counter() - t0) / max(n, 1)
+    print(f"unprofiled: {plain * 1e3:.2f} ms/step over {n} steps")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"workload": args.workload, "model_config": args.model_config, "steps": args.steps,
+                       "ms_per_step_profiled": wall / args.steps * 1e3, "ms_per_step": plain * 1e3,
+                       "device_busy_ms_per_step": device_us / args.steps / 1e3,
+                       "kernels": [{"name": k, "us_per_step": us, "calls_per_step": c} for k, us, c in rows[:40]]},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
