@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--timeline", action="store_true",
+                    help="instead: run the whole workload, timing each step by kind (decode-only or mixed)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model_config, dtype="bfloat16", random_weights=True, max_model_len=4096,
@@ -36,10 +38,12 @@ def main():
     for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
         engine.add_request(str(i), {"prompt_token_ids": p},
                            SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True))
+    if args.timeline:
+        return timeline(engine, args)
     for _ in range(args.warm_steps):
         engine.step()
     torch.cuda.synchronize()
-    batch_sizes, tokens = [], []
+    batch_sizes = []
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
@@ -72,6 +76,52 @@ def main():
                        "ms_per_step_profiled": wall / args.steps * 1e3, "ms_per_step": plain * 1e3,
                        "device_busy_ms_per_step": device_us / args.steps / 1e3,
                        "kernels": [{"name": k, "us_per_step": us, "calls_per_step": c} for k, us, c in rows[:40]]},
+                      f, indent=1)
+
+
+def timeline(engine, args):
+    """Device time per step kind: a CUDA event at each launch; the time between a launch's event
+    and the next one is that step's share of the stream (its kernels plus any idle gap)."""
+    runner = engine.runner
+    launch = runner.launch
+    steps = []  # (event, kind, tokens, seqs, host seconds in launch)
+
+    def timed_launch(out):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        t = time.perf_counter()
+        res = launch(out)
+        decode = all(s.num_new_tokens == 1 for s in out.scheduled)
+        steps.append((ev, "decode" if decode else "mixed", out.num_scheduled_tokens, len(out.scheduled),
+                      time.perf_counter() - t))
+        return res
+
+    runner.launch = timed_launch
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = [s[0] for s in steps] + [end]
+    stats = {}
+    for i, (_, kind, tokens, seqs, host) in enumerate(steps):
+        ms = events[i].elapsed_time(events[i + 1])
+        k = stats.setdefault(kind, {"steps": 0, "device_ms": 0.0, "launch_host_ms": 0.0, "tokens": 0, "seqs": 0})
+        k["steps"] += 1
+        k["device_ms"] += ms
+        k["launch_host_ms"] += host * 1e3
+        k["tokens"] += tokens
+        k["seqs"] += seqs
+    print(f"wall {wall:.2f} s, {len(steps)} steps")
+    for kind, k in stats.items():
+        n = k["steps"]
+        print(f"{kind:>7}: {n} steps, {k['device_ms'] / 1e3:.2f} s of stream time ({k['device_ms'] / n:.2f} ms/step), "
+              f"launch host {k['launch_host_ms'] / n:.2f} ms/step, {k['tokens'] / n:.0f} tokens and {k['seqs'] / n:.0f} seqs per step")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"workload": args.workload, "model_config": args.model_config, "wall_s": wall, "kinds": stats},
                       f, indent=1)
 
 

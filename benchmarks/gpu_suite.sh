@@ -26,6 +26,8 @@ run_stage() {
     kernels) stage kernels 90 python3 -m pytest -q -m gpu tests/kernels ;;
     profile-nano) stage profile-nano 90 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano --output-json "$OUT/profile-nano.json" ;;
+    timeline-nano) stage timeline-nano 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano --timeline --output-json "$OUT/timeline-nano.json" ;;
     nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
     nano-x4-sync) stage nano-x4-sync 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --no-async-scheduling --output-json "$OUT/nano-x4-sync.json" ;;
