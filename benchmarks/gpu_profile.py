@@ -35,6 +35,9 @@ def main():
               async_scheduling=args.async_scheduling)
     engine = llm.engine
     w = make_workload(args.workload, engine.hf_config.vocab_size, None)
+    # Warm-up (Triton compilation, cuBLAS heuristics) outside what is measured.
+    llm.generate([{"prompt_token_ids": p} for p in w.prompts[:8]], SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
     for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
         engine.add_request(str(i), {"prompt_token_ids": p},
                            SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True))
