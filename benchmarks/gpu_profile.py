@@ -63,6 +63,10 @@ def main():
     print(f"{'kernel':<90} {'us/step':>9} {'calls/step':>10}")
     for key, us, calls in rows[:25]:
         print(f"{key[:90]:<90} {us:>9.1f} {calls:>10}")
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    print(f"{'host op':<90} {'us/step':>9} {'calls/step':>10}")
+    for e in host[:20]:
+        print(f"{e.key[:90]:<90} {e.self_cpu_time_total / args.steps:>9.1f} {e.count / args.steps:>10.1f}")
     # Unprofiled timing of the next steps (the profiler slows the host).
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -78,7 +82,9 @@ def main():
             json.dump({"workload": args.workload, "model_config": args.model_config, "steps": args.steps,
                        "ms_per_step_profiled": wall / args.steps * 1e3, "ms_per_step": plain * 1e3,
                        "device_busy_ms_per_step": device_us / args.steps / 1e3,
-                       "kernels": [{"name": k, "us_per_step": us, "calls_per_step": c} for k, us, c in rows[:40]]},
+                       "kernels": [{"name": k, "us_per_step": us, "calls_per_step": c} for k, us, c in rows[:40]],
+                       "host_ops": [{"name": e.key, "us_per_step": e.self_cpu_time_total / args.steps,
+                                     "calls_per_step": e.count / args.steps} for e in host[:40]]},
                       f, indent=1)
 
 

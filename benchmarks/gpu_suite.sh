@@ -28,6 +28,8 @@ run_stage() {
       --workload nano --output-json "$OUT/profile-nano.json" ;;
     timeline-nano) stage timeline-nano 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano --timeline --output-json "$OUT/timeline-nano.json" ;;
+    profile-nano-x4) stage profile-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano-x4 --warm-steps 900 --steps 40 --output-json "$OUT/profile-nano-x4.json" ;;
     timeline-nano-x4) stage timeline-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano-x4 --timeline --output-json "$OUT/timeline-nano-x4.json" ;;
     nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
