@@ -41,6 +41,10 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy",
                    help="predictive: admit only when the expected output also fits, to avoid preemption")
     p.add_argument("--kv-watermark", type=float, default=0.01, help="fraction of KV blocks kept free at admission")
+    p.add_argument("--admission-batch-size", type=int, default=1,
+                   help="while decoding, admit waiting requests in groups of this many (fewer eager prefill steps)")
+    p.add_argument("--admission-max-delay-ms", type=float, default=250.0,
+                   help="longest a free seat waits for its admission group")
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="static: fixed batches (only to compare against continuous batching)")
     p.add_argument("--static-batch-size", type=int, default=8, help="batch size of --scheduling static")
@@ -70,6 +74,8 @@ def engine_config_from_args(args: argparse.Namespace):
             tenant_max_tokens_per_minute=args.tenant_max_tokens_per_minute,
             static_batch_size=args.static_batch_size if args.scheduling == "static" else None,
             admission=args.admission,
+            admission_batch_size=args.admission_batch_size,
+            admission_max_delay_ms=args.admission_max_delay_ms,
             kv_watermark=args.kv_watermark,
         ),
         device=device,

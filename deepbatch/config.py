@@ -84,6 +84,13 @@ class SchedulerConfig:
     # and a watermark, fit the free blocks, so running requests are rarely preempted.
     admission: str = "greedy"
     kv_watermark: float = 0.01  # fraction of all blocks kept free at admission
+    # Admission batching: while requests are decoding, admit waiting ones only once
+    # min(admission_batch_size, waiting) seats are free, or a seat has been free this long. A step
+    # that carries a prefill runs without CUDA graphs and costs several decode steps of host
+    # time, so admitting one request per freed seat keeps the GPU waiting; grouping them trades a
+    # bounded delay to the first token for throughput. 1 admits at once.
+    admission_batch_size: int = 1
+    admission_max_delay_ms: float = 250.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -96,6 +103,10 @@ class SchedulerConfig:
             raise ValueError(f"admission: must be 'greedy' or 'predictive', got {self.admission!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
+        if self.admission_batch_size < 1:
+            raise ValueError(f"admission_batch_size: must be >= 1, got {self.admission_batch_size}")
+        if self.admission_max_delay_ms < 0:
+            raise ValueError(f"admission_max_delay_ms: must be >= 0, got {self.admission_max_delay_ms}")
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s: must be >= 0, got {self.priority_aging_s}")
         for name in ("tenant_max_running", "tenant_max_tokens_per_minute", "static_batch_size"):

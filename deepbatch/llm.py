@@ -41,13 +41,19 @@ class LLM:
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
         admission: str = "greedy",
+        admission_batch_size: int | None = None,
     ):
         device = device or default_device()
+        if admission_batch_size is None:
+            # Offline runs are for throughput: on a GPU with CUDA graphs, group admissions so
+            # fewer steps run eagerly (see SchedulerConfig.admission_batch_size).
+            admission_batch_size = 16 if device.startswith("cuda") and not enforce_eager else 1
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
                               envs.DEEPBATCH_CACHE_DIR),
             cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
+                                      admission_batch_size=admission_batch_size),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

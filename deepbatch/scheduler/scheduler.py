@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._seat_free_since: float | None = None  # admission batching: when a seat first went unused
         # Mean output length of finished requests (exponential moving average): the expected
         # output of a request that has not said otherwise, for predictive admission.
         self.expected_output_len = 256.0
@@ -164,6 +165,8 @@ class Scheduler:
         static = self.config.static_batch_size
         seats = self.max_num_seqs if static is None else (min(static, self.max_num_seqs) if not self.running else 0)
         skipped: list[Request] = []
+        if static is None and self._hold_admission(seats, now):
+            seats = 0
         while self.waiting and budget > 0 and len(self.running) < seats:
             request = self.waiting[0]
             if request in out.preempted:
@@ -196,6 +199,18 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _hold_admission(self, seats: int, now: float) -> bool:
+        """Admission batching (``admission_batch_size``): True while decodes run and fewer seats
+        are free than the group to admit, for at most ``admission_max_delay_ms``."""
+        group = min(self.config.admission_batch_size, len(self.waiting))
+        free = seats - len(self.running)
+        if group <= 1 or not self.running or free <= 0 or free >= group:
+            self._seat_free_since = None
+            return False
+        if self._seat_free_since is None:
+            self._seat_free_since = now
+        return (now - self._seat_free_since) * 1e3 < self.config.admission_max_delay_ms
 
     def _expected_total(self, request: Request) -> int:
         """Tokens the request is expected to hold when it finishes."""
