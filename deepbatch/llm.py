@@ -42,6 +42,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         admission: str = "greedy",
         admission_batch_size: int | None = None,
+        admission_max_delay_ms: float = 250.0,
     ):
         device = device or default_device()
         if admission_batch_size is None:
@@ -53,7 +54,8 @@ class LLM:
                               envs.DEEPBATCH_CACHE_DIR),
             cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
-                                      admission_batch_size=admission_batch_size),
+                                      admission_batch_size=admission_batch_size,
+                                      admission_max_delay_ms=admission_max_delay_ms),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

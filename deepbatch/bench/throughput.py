@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--admission-batch-size", type=int, default=None, help="default: 16 on CUDA with graphs, else 1")
+    p.add_argument("--admission-max-delay-ms", type=float, default=250.0)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile", action="store_true", help="print where the host's time goes (cProfile)")
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096,
-              async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size)
+              async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
+              admission_max_delay_ms=args.admission_max_delay_ms)
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests)
