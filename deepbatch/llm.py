@@ -48,7 +48,7 @@ class LLM:
         if admission_batch_size is None:
             # Offline runs are for throughput: on a GPU with CUDA graphs, group admissions so
             # fewer steps run eagerly (see SchedulerConfig.admission_batch_size).
-            admission_batch_size = 16 if device.startswith("cuda") and not enforce_eager else 1
+            admission_batch_size = 64 if device.startswith("cuda") and not enforce_eager else 1
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
                               envs.DEEPBATCH_CACHE_DIR),

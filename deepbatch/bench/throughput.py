@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--admission-batch-size", type=int, default=None, help="default: 16 on CUDA with graphs, else 1")
+    p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")
     p.add_argument("--admission-max-delay-ms", type=float, default=250.0)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--output-json", default=None)
