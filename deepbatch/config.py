@@ -56,6 +56,11 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # KV budget on the CPU, where there is no device memory to profile.
     cpu_kv_cache_bytes: int = 2 << 30
+    # Host memory (GiB) for preemption by swap (vLLM's --swap-space); 0: recompute only.
+    swap_space: float = 0.0
+    # Rates of the swap-or-recompute cost model; None: measured at start-up.
+    swap_prefill_tokens_per_s: float | None = None
+    swap_host_link_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +69,12 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override: must be >= 1")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space}")
+        for name in ("swap_prefill_tokens_per_s", "swap_host_link_bytes_per_s"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name}: must be > 0, got {v}")
 
 
 @dataclass(frozen=True)

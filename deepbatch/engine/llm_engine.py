@@ -32,10 +32,14 @@ from deepbatch.engine.errors import InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.doctor import check_swap_space
 from deepbatch.kv_cache.manager import KVCacheManager
+from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
+from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.sampler import PendingSample, SamplerOutput
+from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -64,10 +68,16 @@ class LLMEngine:
         model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
         self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks()
+        swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
-        self.runner.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        preemptor = Preemptor(self.kv_cache)
+        if swap is not None:
+            num_host_blocks, cost = swap
+            self.runner.init_swap_space(num_host_blocks)
+            preemptor = Preemptor(self.kv_cache, HostBlockPool(num_host_blocks), cost)
+        self.runner.capture_cuda_graphs()
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, preemptor=preemptor)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
         self.stats = EngineStats()
@@ -82,6 +92,27 @@ class LLMEngine:
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
             self.runner.kv_bytes_per_block() / 1024,
         )
+
+    def _swap_cost_model(self) -> tuple[int, SwapCostModel] | None:
+        """Host blocks and cost model for ``swap_space`` (None when it is 0). Refuses a swap space
+        the cgroup or the host cannot hold."""
+        cache = self.config.cache
+        if cache.swap_space <= 0:
+            return None
+        swap_bytes = int(cache.swap_space * 2**30)
+        check_swap_space(swap_bytes)
+        per_block = self.runner.kv_bytes_per_block()
+        n = num_host_blocks(swap_bytes, per_block)
+        if n < 1:
+            raise ValueError(f"swap_space: {cache.swap_space} GiB holds no KV block ({per_block} bytes)")
+        prefill = cache.swap_prefill_tokens_per_s or self.runner.measure_prefill_tokens_per_s(
+            min(self.config.scheduler.max_num_batched_tokens, 1024 if self.runner.device.type == "cuda" else 256))
+        link = cache.swap_host_link_bytes_per_s or measure_host_link_bytes_per_s(self.runner.device)
+        cost = SwapCostModel(prefill, link, per_block)
+        logger.info("swap space: %d host blocks (%.2f GiB); prefill %.0f tokens/s, host link %.2f GB/s: %s per "
+                    "block of %d tokens", n, n * per_block / 2**30, prefill, link / 1e9,
+                    "swap" if cost.prefer_swap(cache.block_size, 1) else "recompute", cache.block_size)
+        return n, cost
 
     @property
     def model_name(self) -> str:
@@ -219,7 +250,9 @@ class LLMEngine:
             self._on_finished(r)
             touched[r.parent_id] = None
         pending = None
-        if not out.is_empty:
+        if out.is_empty:
+            self.runner.swap_blocks(out)  # a step may preempt by swap and schedule nothing
+        else:
             self.stats.num_steps += 1
             for s in out.scheduled:
                 r = s.request

@@ -5,7 +5,8 @@ what it needs through ``cache_shapes()`` (K and V of ``[num_kv_heads, head_dim]`
 standard attention, one latent vector for MLA); the runner allocates
 ``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool.
 It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
-into the config.
+into the config. With a swap space it also owns the host KV pool (``runner/kv_swap.py``) and
+performs the step's swap copies before the forward.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deepbatch.layers.attention import make_backend
 from deepbatch.runner.cuda_graph import DecodeCudaGraphs
 from deepbatch.runner.forward_batch import ForwardBatch
 from deepbatch.engine.request import PENDING_TOKEN, Request
+from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
 from deepbatch.scheduler.scheduler import SchedulerOutput
 
@@ -48,6 +50,7 @@ class ModelRunner:
         # request's row in them: a pending input token is read from there.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self.host_kv: HostKVCache | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -120,6 +123,29 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._alloc_caches(num_blocks)
         self._bind(self.kv_caches)
+
+    def init_swap_space(self, num_blocks: int) -> None:
+        """The host pool for preemption by swap, laid out like the device cache."""
+        self.host_kv = HostKVCache(self.kv_caches, num_blocks)
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """The step's swap copies (outs, then ins); a no-op for steps without any."""
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            self.host_kv.copy(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
+
+    def measure_prefill_tokens_per_s(self, num_tokens: int) -> float:
+        """Prompt tokens per second of one forward over ``num_tokens`` (the second of two, so
+        compilation and allocator warm-up are not timed). Call before ``init_kv_cache``."""
+        import time
+
+        self._dummy_forward(num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self._dummy_forward(num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return num_tokens / max(time.perf_counter() - t0, 1e-9)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
@@ -210,6 +236,9 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
         """Queue the step on the device and return without waiting (None when no request
         samples). Inputs may be pending tokens of the previous launch."""
+        # Before the forward, which may rewrite blocks freed by this step's swap-outs; stream
+        # order puts the copies after the previous launch's writes.
+        self.swap_blocks(out)
         batch = self.build_batch(out)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)

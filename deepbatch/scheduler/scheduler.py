@@ -8,9 +8,10 @@ prompt plus output. There is no prefill phase and no decode phase; everything fa
 rule.
 
 The policy (``scheduler/policy.py``) only orders the queues and sets limits. When the KV cache
-cannot supply blocks for a running request, the scheduler preempts (by recompute) the running
-request that sorts last (by default: lowest priority, then latest arrival). A preempted request
-keeps its arrival time and priority, so it goes back to its place in line.
+cannot supply blocks for a running request, the scheduler preempts the running request that sorts
+last (by default: lowest priority, then latest arrival), by swap or by recompute as
+``scheduler/preemption.py`` decides. A preempted request keeps its arrival time and priority, so
+it goes back to its place in line; a swapped one resumes by swapping in when it reaches the head.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deepbatch.config import SchedulerConfig
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.policy import make_policy
+from deepbatch.scheduler.preemption import Preemptor
 
 
 @dataclass
@@ -43,6 +45,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # KV copies the runner performs before the forward, swap-outs first: (device block, host
+    # slot) and (host slot, device block).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Requests ended by the scheduler itself (e.g. can never fit); already freed.
     finished: list[Request] = field(default_factory=list)
 
@@ -57,7 +63,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, preemptor: Preemptor | None = None):
         self.config = config
         self.clock = clock  # policies age and rate-limit against it; tests pass a fake one
         self.kv_cache = kv_cache
@@ -72,6 +78,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._seat_free_since: float | None = None  # admission batching: when a seat first went unused
+        self.preemptor = preemptor or Preemptor(kv_cache)  # default: recompute only
         # Mean output length of finished requests (exponential moving average): the expected
         # output of a request that has not said otherwise, for predictive admission.
         self.expected_output_len = 256.0
@@ -124,6 +131,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = self.clock()
         policy = self.policy
+        self.preemptor.begin_step()
         self.running.sort(key=lambda r: policy.victim_key(r, now))
         self.waiting = deque(sorted(self.waiting, key=lambda r: policy.key(r, now)))
         if policy.preemptive:
@@ -146,7 +154,7 @@ class Scheduler:
                     break
                 self.running.pop()
                 self.policy.on_released(victim)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is request:
                     break
@@ -174,17 +182,24 @@ class Scheduler:
             if not policy.admissible(request, now):
                 skipped.append(self.waiting.popleft())  # over its tenant's limits; others may go
                 continue
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            # A swapped-out request resumes from its own KV (swapped in), not from prefix hits.
+            swapped = self.preemptor.swapped_tokens(request)
+            hits, num_hit_tokens = ([], swapped) if swapped else self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.config.admission == "predictive" and self.running and not self._predicted_fit(request, hits):
                 break  # would likely force a preemption later; wait for room
-            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            if swapped:
+                fits = self.preemptor.swap_in(request, num_new, out.blocks_to_swap_in)
+            else:
+                fits = self.kv_cache.allocate_slots(request, num_new, hits) is not None
+            if not fits:
                 if self.running:
                     break  # head of line waits; running requests free blocks as they finish
                 self.waiting.popleft()  # nothing holds blocks and it still does not fit
                 self._fail_never_fits(request, out)
                 continue
-            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            if not swapped:
+                self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -239,7 +254,7 @@ class Scheduler:
                 return
             self.running.pop()
             policy.on_released(last)
-            self._preempt(last)
+            self._preempt(last, out)
             out.preempted.append(last)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -311,9 +326,8 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         out.finished.append(request)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.preemptor.preempt(request, out.blocks_to_swap_out)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -322,5 +336,6 @@ class Scheduler:
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.expected_output_len += 0.1 * (request.num_output_tokens - self.expected_output_len)
         self.kv_cache.free(request)
+        self.preemptor.forget(request)
         request.status = status
         request.finished_time = self.clock()
