@@ -32,6 +32,12 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
+    p.add_argument("--swap-prefill-tokens-per-s", type=float, default=None,
+                   help="prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
+    p.add_argument("--swap-host-link-bytes-per-s", type=float, default=None,
+                   help="host-link rate the swap-or-recompute choice assumes (default: measured at start-up)")
     p.add_argument("--scheduling-policy", default="fcfs",
                    help="fcfs, priority, or fair (per-tenant fair share; the tenant is the request's 'user')")
     p.add_argument("--priority-aging-s", type=float, default=30.0,
@@ -66,7 +72,9 @@ def engine_config_from_args(args: argparse.Namespace):
         model=ModelConfig(model, resolve_dtype(args.dtype, device), args.max_model_len, args.seed, False,
                           args.tokenizer, envs.DEEPBATCH_CACHE_DIR),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
-                          args.num_gpu_blocks_override),
+                          args.num_gpu_blocks_override, swap_space=args.swap_space,
+                          swap_prefill_tokens_per_s=args.swap_prefill_tokens_per_s,
+                          swap_host_link_bytes_per_s=args.swap_host_link_bytes_per_s),
         scheduler=SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
             priority_aging_s=args.priority_aging_s,

@@ -1,7 +1,8 @@
 """``deepbatch doctor``: what this machine offers and what the current settings would give.
 
-GPUs (name, memory, driver, NUMA node, link topology), host memory and its cgroup limit, and
-the KV capacity the engine settings would yield, estimated from the model config without
+GPUs (name, memory, driver, NUMA node, link topology), the caching allocator's view of each GPU
+from this process, host memory and its cgroup limit, whether ``--swap-space`` fits under them,
+and the KV capacity the engine settings would yield, estimated from the model config without
 loading weights. Plain text, or ``--json``.
 """
 
@@ -87,6 +88,27 @@ def gpus() -> list[dict]:
     return out
 
 
+def gpu_allocators() -> list[dict]:
+    """Reserved vs allocated bytes, largest free segment and fragmentation per GPU (this process)."""
+    from deepbatch.metrics.allocator import allocator_view
+
+    if not torch.cuda.is_available():
+        return []
+    snapshot = torch.cuda.memory_snapshot()
+    return [{"index": i, **allocator_view(torch.cuda.memory_stats(i), snapshot, i).as_dict()}
+            for i in range(torch.cuda.device_count())]
+
+
+def swap_space(config) -> dict:
+    swap_bytes = int(config.cache.swap_space * 2**30)
+    try:
+        check_swap_space(swap_bytes)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"bytes": swap_bytes, "error": error}
+
+
 def gpu_topology() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
@@ -121,6 +143,7 @@ def report(config) -> dict:
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host_memory": host_memory(),
         "cgroup_memory": cgroup_memory(), "gpus": gpus(), "gpu_topology": gpu_topology(),
+        "gpu_allocator": gpu_allocators(), "swap_space": swap_space(config),
     }
     try:
         rep["kv"] = kv_capacity(config)
@@ -144,6 +167,13 @@ def format_report(rep: dict) -> str:
                      f"{g['total_bytes'] / gib:.1f} GiB, {g['free_bytes'] / gib:.1f} free, NUMA {g['numa_node']}")
     if not rep["gpus"]:
         lines.append("gpu        none")
+    for a in rep.get("gpu_allocator") or []:
+        lines.append(f"allocator  gpu {a['index']}: reserved {a['reserved_bytes'] / gib:.2f} GiB, allocated "
+                     f"{a['allocated_bytes'] / gib:.2f} GiB, largest free segment "
+                     f"{a['largest_free_segment_bytes'] / 2**20:.1f} MiB, fragmentation {a['fragmentation_ratio']:.3f}")
+    sw = rep.get("swap_space")
+    if sw and sw["bytes"]:
+        lines.append(f"swap space {sw['bytes'] / gib:.2f} GiB: " + (f"refused: {sw['error']}" if sw["error"] else "fits"))
     if rep["gpu_topology"]:
         lines += ["topology", rep["gpu_topology"].rstrip()]
     kv = rep["kv"]

@@ -43,6 +43,7 @@ class LLM:
         admission: str = "greedy",
         admission_batch_size: int | None = None,
         admission_max_delay_ms: float = 250.0,
+        swap_space: float = 0.0,
     ):
         device = device or default_device()
         if admission_batch_size is None:
@@ -52,7 +53,8 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
                               envs.DEEPBATCH_CACHE_DIR),
-            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
+            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override,
+                              swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
                                       admission_batch_size=admission_batch_size,
                                       admission_max_delay_ms=admission_max_delay_ms),

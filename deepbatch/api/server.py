@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 import deepbatch
 from deepbatch.api.errors import APIError, bad_request, error_response, from_validation_error, install_error_handlers
-from deepbatch.api.metrics import ServerMetrics, log_stats_periodically
+from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
@@ -189,6 +189,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return engine_stats(engine.snapshot())
 
     @app.get("/version")
     async def version() -> dict:
