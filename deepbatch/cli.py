@@ -34,6 +34,8 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
+    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
+                   help="auto: swap or recompute each victim, whichever the cost model says is cheaper")
     p.add_argument("--swap-prefill-tokens-per-s", type=float, default=None,
                    help="prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
     p.add_argument("--swap-host-link-bytes-per-s", type=float, default=None,
@@ -85,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace):
             admission_batch_size=args.admission_batch_size,
             admission_max_delay_ms=args.admission_max_delay_ms,
             kv_watermark=args.kv_watermark,
+            preemption_mode=args.preemption_mode,
         ),
         device=device,
         attention_backend=args.attention_backend,

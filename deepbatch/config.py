@@ -102,6 +102,9 @@ class SchedulerConfig:
     # bounded delay to the first token for throughput. 1 admits at once.
     admission_batch_size: int = 1
     admission_max_delay_ms: float = 250.0
+    # How a victim gives up its KV blocks: "auto" (the swap cost model decides, per victim),
+    # "swap" (whenever the host pool can take it), "recompute". Swap needs a swap space.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -112,6 +115,8 @@ class SchedulerConfig:
             raise ValueError(f"policy: must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
         if self.admission not in ("greedy", "predictive"):
             raise ValueError(f"admission: must be 'greedy' or 'predictive', got {self.admission!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode: must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
         if self.admission_batch_size < 1:

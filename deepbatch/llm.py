@@ -44,6 +44,7 @@ class LLM:
         admission_batch_size: int | None = None,
         admission_max_delay_ms: float = 250.0,
         swap_space: float = 0.0,
+        preemption_mode: str = "auto",
     ):
         device = device or default_device()
         if admission_batch_size is None:
@@ -57,7 +58,7 @@ class LLM:
                               swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
                                       admission_batch_size=admission_batch_size,
-                                      admission_max_delay_ms=admission_max_delay_ms),
+                                      admission_max_delay_ms=admission_max_delay_ms, preemption_mode=preemption_mode),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

@@ -75,7 +75,7 @@ class LLMEngine:
         if swap is not None:
             num_host_blocks, cost = swap
             self.runner.init_swap_space(num_host_blocks)
-            preemptor = Preemptor(self.kv_cache, HostBlockPool(num_host_blocks), cost)
+            preemptor = Preemptor(self.kv_cache, HostBlockPool(num_host_blocks), cost, config.scheduler.preemption_mode)
         self.runner.capture_cuda_graphs()
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, preemptor=preemptor)
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -10,9 +10,10 @@ decides *how*:
   ``host slot -> device block`` copies, and it continues where it stopped.
 
 A victim is swapped only when (1) a host pool exists, (2) it has computed tokens, (3) it owns every
-one of its blocks alone (a block shared through the prefix cache with a running request stays
-where it is, and copying half a request is not worth the bookkeeping), (4) the host pool has the
-slots, and (5) the cost model says swapping is cheaper. Otherwise it is recomputed.
+one of its blocks alone (a block shared through the prefix cache with a running request is not
+freed by the preemption, so copying it would cost link time and gain no room), (4) the host pool
+has the slots, and (5) the cost model says swapping is cheaper (``preemption_mode="auto"``, the
+default; ``"swap"`` skips this test and ``"recompute"`` never swaps). Otherwise it is recomputed.
 
 Either way the request leaves the running set with no device blocks and ``num_computed_tokens ==
 0``; a swapped one's computed count waits here until it is swapped in. Host slots freed by a
@@ -46,10 +47,11 @@ class Preemptor:
     ``num_new_tokens`` or, when the pool cannot supply them, changes nothing and returns False."""
 
     def __init__(self, kv_cache: KVCacheManager, host_pool: HostBlockPool | None = None,
-                 cost_model: SwapCostModel | None = None):
+                 cost_model: SwapCostModel | None = None, mode: str = "auto"):
         if (host_pool is None) != (cost_model is None):
             raise ValueError("swap needs both a host pool and a cost model")
         self.kv_cache = kv_cache
+        self.mode = mode  # "auto": the cost model decides; "swap" / "recompute": forced
         self.host_pool = host_pool
         self.cost_model = cost_model
         self._swapped: dict[str, _Swapped] = {}
@@ -71,7 +73,7 @@ class Preemptor:
 
     def choose(self, request: Request) -> str:
         """The mode ``preempt`` would use for this request now."""
-        if not self.swap_enabled or request.num_computed_tokens == 0:
+        if not self.swap_enabled or self.mode == RECOMPUTE or request.num_computed_tokens == 0:
             return RECOMPUTE
         num_blocks = self.kv_cache.blocks_needed(request.num_computed_tokens)
         if num_blocks > self.host_pool.num_free_blocks:
@@ -79,6 +81,8 @@ class Preemptor:
         blocks = self.kv_cache.pool.blocks
         if any(blocks[b].ref_cnt > 1 for b in request.block_ids):
             return RECOMPUTE
+        if self.mode == SWAP:
+            return SWAP
         return SWAP if self.cost_model.prefer_swap(request.num_computed_tokens, num_blocks) else RECOMPUTE
 
     def preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> str:

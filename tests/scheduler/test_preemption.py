@@ -26,11 +26,12 @@ SLOW_LINK = dict(prefill_tokens_per_s=1e9, host_link_bytes_per_s=1e3)  # recompu
 
 
 def make_scheduler(num_blocks, block_size, host_blocks, link=None, budget=64, max_num_seqs=256, policy="fcfs",
-                   caching=True, admission="greedy") -> Scheduler:
+                   caching=True, admission="greedy", mode="auto") -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     preemptor = Preemptor(kv)
     if host_blocks:
-        preemptor = Preemptor(kv, HostBlockPool(host_blocks), SwapCostModel(**(link or FAST_LINK), kv_bytes_per_block=1024))
+        preemptor = Preemptor(kv, HostBlockPool(host_blocks), SwapCostModel(**(link or FAST_LINK), kv_bytes_per_block=1024),
+                              mode)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy,
                           priority_aging_s=0, admission=admission)
     return Scheduler(cfg, kv, 4096, preemptor=preemptor)
@@ -73,10 +74,10 @@ class SwapFakeRunner(FakeRunner):
         assert self.num_swapped_out == self.num_swapped_in
 
 
-def small_pool_load(link, host_blocks=64):
+def small_pool_load(link, host_blocks=64, mode="auto"):
     # 8 blocks of 4 tokens; each request grows to 6 + 10 - 1 = 15 computed tokens (4 blocks),
     # so any one fits alone but three cannot run to the end together.
-    sched = make_scheduler(8, 4, host_blocks, link)
+    sched = make_scheduler(8, 4, host_blocks, link, mode=mode)
     reqs = [make_request(f"r{i}", prompt_of(6, 100 * i), max_tokens=10, arrival=i) for i in range(3)]
     for r in reqs:
         sched.add_request(r)
@@ -111,6 +112,13 @@ def test_recompute_when_recompute_is_cheaper():
     modes = sched.preemptor.num_preemptions_by_mode
     assert modes[RECOMPUTE] == sched.num_preemptions > 0 and modes[SWAP] == 0
     assert runner.num_swapped_out == 0
+
+
+def test_a_forced_preemption_mode_overrides_the_cost_model():
+    sched, _ = small_pool_load(SLOW_LINK, mode="swap")
+    assert sched.preemptor.num_preemptions_by_mode == {SWAP: sched.num_preemptions, RECOMPUTE: 0}
+    sched, _ = small_pool_load(FAST_LINK, mode="recompute")
+    assert sched.preemptor.num_preemptions_by_mode == {SWAP: 0, RECOMPUTE: sched.num_preemptions}
 
 
 def test_recompute_when_the_host_pool_is_full():
