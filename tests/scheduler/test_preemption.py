@@ -234,3 +234,16 @@ def test_random_workloads_with_swap_read_back_their_own_kv(
         event("swapped")
     if sched.preemptor.num_preemptions_by_mode[RECOMPUTE]:
         event("recomputed")
+
+
+def test_a_swapped_request_resumes_before_later_arrivals():
+    sched, runner, b = run_until_swapped_out()
+    c = make_request("c", prompt_of(2, 300), max_tokens=2, arrival=2)  # small: would fit first
+    sched.add_request(c)
+    assert list(sched.waiting) == [b, c]
+    while b.status != RequestStatus.RUNNING:
+        out, _ = runner.step()
+        assert c.status == RequestStatus.WAITING or b.status == RequestStatus.RUNNING, "c went ahead of b"
+    ids = [s.request.request_id for s in out.scheduled]
+    assert "c" not in ids or ids.index("b") < ids.index("c")
+    runner.run()
