@@ -30,24 +30,31 @@ class HostKVCache:
     after the step that wrote it."""
 
     def __init__(self, device_caches: Caches, num_blocks: int):
-        pin = any(t.is_cuda for layer in device_caches for t in layer)
+        self.pin = any(t.is_cuda for layer in device_caches for t in layer)
         self.caches: Caches = [
-            [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin) for t in layer]
+            [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=self.pin) for t in layer]
             for layer in device_caches
         ]
         self.num_blocks = num_blocks
 
     def copy(self, device_caches: Caches, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        # Blocks are gathered into a pinned staging tensor (torch's caching host allocator keeps it
+        # alive until an asynchronous copy from it is done): a copy from or to pageable memory
+        # would go through the driver's bounce buffer at a fraction of the link's rate.
         if swap_out:
             src, dst = _indices(swap_out, device_caches)
             for dev_layer, host_layer in zip(device_caches, self.caches):
                 for d, h in zip(dev_layer, host_layer):
-                    h.index_copy_(0, dst, d.index_select(0, src).to("cpu"))
+                    staged = torch.empty((len(swap_out), *h.shape[1:]), dtype=h.dtype, pin_memory=self.pin)
+                    staged.copy_(d.index_select(0, src))  # synchronous: waits for the step that wrote it
+                    h.index_copy_(0, dst, staged)
         if swap_in:
             src, dst = _indices(swap_in, device_caches, to_device=True)
             for dev_layer, host_layer in zip(device_caches, self.caches):
                 for d, h in zip(dev_layer, host_layer):
-                    d.index_copy_(0, dst, h.index_select(0, src).to(d.device, non_blocking=True))
+                    staged = torch.empty((len(swap_in), *h.shape[1:]), dtype=h.dtype, pin_memory=self.pin)
+                    torch.index_select(h, 0, src, out=staged)
+                    d.index_copy_(0, dst, staged.to(d.device, non_blocking=self.pin))
 
 
 def _indices(pairs: list[tuple[int, int]], device_caches: Caches, to_device: bool = False):
