@@ -1,6 +1,7 @@
 """Preemption on a real model: greedy outputs with preemption by swap and by recompute are
-identical to a run that never preempts (Llama-style K/V caches and DeepSeek's MLA latent cache),
-and the host pool's block copies move every layer's every cache tensor."""
+identical to a run that never preempts (Llama-style K/V caches and DeepSeek's MLA latent cache,
+with and without async scheduling), and the host pool's block copies move every layer's every
+cache tensor."""
 
 from __future__ import annotations
 
@@ -42,12 +43,14 @@ def prompts(n=6, vocab=384):
     return [torch.randint(3, vocab, (5 + 5 * i,), generator=g).tolist() for i in range(n)]
 
 
-def generate(path: str, num_blocks: int | None, swap_space: float = 0.0, rates: dict | None = None):
+def generate(path: str, num_blocks: int | None, swap_space: float = 0.0, rates: dict | None = None,
+             async_scheduling: bool = False):
     config = EngineConfig(
         model=ModelConfig(path, torch.float32, 256),
         cache=CacheConfig(block_size=4, num_gpu_blocks_override=num_blocks, swap_space=swap_space, **(rates or {})),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
         device="cpu",
+        async_scheduling=async_scheduling,
     )
     llm = LLM.from_config(config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -56,16 +59,17 @@ def generate(path: str, num_blocks: int | None, swap_space: float = 0.0, rates: 
     return [o.outputs[0].token_ids for o in outs], sched.preemptor.num_preemptions_by_mode
 
 
-@pytest.mark.parametrize("arch", ["llama", "mla"])
-def test_greedy_output_is_the_same_with_swap_and_recompute_preemption(tiny_checkpoints, mla_checkpoint, arch):
+@pytest.mark.parametrize("arch, async_scheduling", [("llama", False), ("mla", False), ("llama", True)])
+def test_greedy_output_is_the_same_with_swap_and_recompute_preemption(tiny_checkpoints, mla_checkpoint, arch,
+                                                                       async_scheduling):
     path = mla_checkpoint if arch == "mla" else tiny_checkpoints["llama"]
     # 20 blocks of 4 tokens: the longest request (30 + 24 tokens) fits alone; all six need ~60.
     reference, modes = generate(path, None)
     assert modes == {SWAP: 0, RECOMPUTE: 0}
-    swapped, modes = generate(path, 20, swap_space=1 / 1024, rates=SWAP_WINS)
+    swapped, modes = generate(path, 20, swap_space=1 / 1024, rates=SWAP_WINS, async_scheduling=async_scheduling)
     assert modes[SWAP] > 0
     assert swapped == reference
-    recomputed, modes = generate(path, 20, swap_space=1 / 1024, rates=RECOMPUTE_WINS)
+    recomputed, modes = generate(path, 20, swap_space=1 / 1024, rates=RECOMPUTE_WINS, async_scheduling=async_scheduling)
     assert modes[RECOMPUTE] > 0 and modes[SWAP] == 0
     assert recomputed == reference
 
