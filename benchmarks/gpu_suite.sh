@@ -12,6 +12,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 M=${MODELS:-benchmarks/models}
 TP="python3 -m deepbatch.bench.throughput --random-weights"
+# Memory under pressure: the KV pool capped at 4096 blocks (65,536 tokens), requests adding up to 2x.
+KV2X="$TP --workload kv-2x --model-config $M/qwen3-0.6b.json --num-gpu-blocks-override ${KV_BLOCKS:-4096}"
 
 limit() { local v="T_$(echo "$1" | tr 'a-z-' 'A-Z_')"; echo "${!v:-$2}"; }
 stage() {
@@ -43,6 +45,10 @@ run_stage() {
       --output-json "$OUT/seed-table.json" ;;
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --peers hf-static --peer-requests 32 --peer-batch-size 32 --output-json "$OUT/mla-moe.json" ;;
+    kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
+    kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
+    kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;
+    kv-2x-auto) stage kv-2x-auto 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --output-json "$OUT/kv-2x-auto.json" ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac
 }
