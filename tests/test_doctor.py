@@ -54,3 +54,19 @@ def test_swap_space_over_available_host_memory_is_refused():
     with pytest.raises(ValueError, match="available memory"):
         check_swap_space(3 * GiB, unlimited, {"available_bytes": 2 * GiB})
     check_swap_space(0, {"version": 2, "limit_bytes": 1, "usage_bytes": 2}, {"available_bytes": 0})  # off: no check
+
+
+def test_text_report_shows_the_allocator_and_the_swap_space_verdict():
+    from deepbatch.doctor import format_report
+
+    rep = {"platform": "p", "python": "3", "torch": "t", "cuda": None, "cpus": 2,
+           "host_memory": {"total_bytes": 16 * GiB, "available_bytes": 8 * GiB},
+           "cgroup_memory": {"version": 2, "limit_bytes": None, "usage_bytes": GiB}, "gpus": [], "gpu_topology": None,
+           "kv": {"error": "no model"},
+           "gpu_allocator": [{"index": 0, "reserved_bytes": 2 * GiB, "allocated_bytes": GiB,
+                              "largest_free_segment_bytes": 512 << 20, "num_segments": 3, "fragmentation_ratio": 0.5}],
+           "swap_space": {"bytes": 4 * GiB, "error": "swap_space: too big"}}
+    text = format_report(rep)
+    assert "allocator  gpu 0: reserved 2.00 GiB, allocated 1.00 GiB, largest free segment 512.0 MiB, " \
+           "fragmentation 0.500" in text
+    assert "swap space 4.00 GiB: refused: swap_space: too big" in text

@@ -57,6 +57,7 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.num_waiting)
+        yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.", snap.num_swapped)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", snap.kv_cache_usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       snap.prefix_cache_queries)
@@ -106,6 +107,7 @@ def engine_stats(snap: EngineSnapshot) -> dict:
     return {
         "num_requests_running": snap.num_running,
         "num_requests_waiting": snap.num_waiting,
+        "num_requests_swapped": snap.num_swapped,
         "kv_cache_usage": snap.kv_cache_usage,
         "kv_cache": asdict(kv) if kv is not None else None,
         "num_preemptions": {"total": snap.num_preemptions, "swap": snap.num_preemptions_swap,

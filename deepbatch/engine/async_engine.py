@@ -74,6 +74,7 @@ class EngineSnapshot:
     # Preemptions by mode (they sum to num_preemptions) and the host swap pool.
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
+    num_swapped: int = 0  # preempted requests whose KV waits in the host swap space
     swap_blocks_total: int = 0
     swap_free_blocks: int = 0
     # The GPU caching allocator (None without CUDA), refreshed with kv_stats.
@@ -357,7 +358,7 @@ class AsyncEngine:
         self._snapshot = EngineSnapshot(
             kv_stats=kv_stats, kv_stats_time=kv_time, allocator=allocator,
             num_preemptions_swap=preemptor.num_preemptions_by_mode[SWAP],
-            num_preemptions_recompute=preemptor.num_preemptions_by_mode[RECOMPUTE],
+            num_preemptions_recompute=preemptor.num_preemptions_by_mode[RECOMPUTE], num_swapped=preemptor.num_swapped,
             swap_blocks_total=host.num_blocks if host else 0, swap_free_blocks=host.num_free_blocks if host else 0,
             num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
             kv_cache_usage=e.kv_cache.usage(), prefix_cache_queries=e.kv_cache.num_queried_tokens,

@@ -21,7 +21,7 @@ def test_stats_route_on_the_cpu():
         text = client.get("/metrics").text
     assert stats["num_preemptions"] == {"total": 0, "swap": 0, "recompute": 0}
     assert stats["kv_cache"]["num_blocks"] == 100 and stats["kv_cache"]["internal_fragmentation"] == 0.0
-    assert stats["swap_space"] == {"blocks_total": 0, "free_blocks": 0}
+    assert stats["swap_space"] == {"blocks_total": 0, "free_blocks": 0} and stats["num_requests_swapped"] == 0
     assert stats["gpu_allocator"] is None  # no CUDA in this process
     metrics = parse_metrics(text)
     assert metrics['deepbatch:num_preemptions_total{mode="swap",model_name="fake"}'] == 0
@@ -45,12 +45,13 @@ def test_preemptions_by_mode_swap_space_and_allocator_gauges():
     alloc = AllocatorView(reserved_bytes=64, allocated_bytes=48, largest_free_segment_bytes=8, num_segments=2,
                           fragmentation_ratio=0.25)
     snap = replace(engine.snapshot(), num_preemptions=5, num_preemptions_swap=3, num_preemptions_recompute=2,
-                   swap_blocks_total=10, swap_free_blocks=4, allocator=alloc)
+                   num_swapped=1, swap_blocks_total=10, swap_free_blocks=4, allocator=alloc)
     m = parse_metrics(ServerMetrics(_Snapshots(snap), "m").render().decode())
     assert m['vllm:num_preemptions_total{model_name="m"}'] == 5
     assert m['deepbatch:num_preemptions_total{mode="swap",model_name="m"}'] == 3
     assert m['deepbatch:num_preemptions_total{mode="recompute",model_name="m"}'] == 2
     assert m['deepbatch:swap_space_free_blocks{model_name="m"}'] == 4
+    assert m['vllm:num_requests_swapped{model_name="m"}'] == 1
     assert m['deepbatch:gpu_memory_reserved_bytes{model_name="m"}'] == 64
     assert m['deepbatch:gpu_memory_allocated_bytes{model_name="m"}'] == 48
     assert m['deepbatch:gpu_memory_largest_free_segment_bytes{model_name="m"}'] == 8
