@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from deepbatch.config import EngineConfig
+from deepbatch.doctor import check_swap_space
 from deepbatch.engine.detokenizer import Detokenizer
 from deepbatch.engine.errors import InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.engine.sampling_params import SamplingParams
-from deepbatch.doctor import check_swap_space
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -136,8 +137,6 @@ class ModelRunner:
     def measure_prefill_tokens_per_s(self, num_tokens: int) -> float:
         """Prompt tokens per second of one forward over ``num_tokens`` (the second of two, so
         compilation and allocator warm-up are not timed). Call before ``init_kv_cache``."""
-        import time
-
         self._dummy_forward(num_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
