@@ -1,6 +1,7 @@
 """GPU correctness of the fast path on a real architecture with random weights:
-greedy tokens equal between the torch and Triton attention backends and between eager and
-CUDA-graph decode (fp32), and logits within bf16 tolerance (bf16).
+greedy tokens equal between the torch and Triton attention backends, between eager and
+CUDA-graph decode, and between synchronous and async scheduling (fp32), and logits within bf16
+tolerance (bf16).
 
     python benchmarks/gpu_parity.py --model-config ../shared/bench/models/qwen3-0.6b.json
 """
@@ -39,9 +40,11 @@ def main():
 
     runs = {}
     for name, kw in {
-        "torch-eager": dict(attention_backend="torch", enforce_eager=True),
-        "triton-eager": dict(attention_backend="triton", enforce_eager=True),
-        "triton-graphs": dict(attention_backend="triton", enforce_eager=False),
+        "torch-eager": dict(attention_backend="torch", enforce_eager=True, async_scheduling=False),
+        "triton-eager": dict(attention_backend="triton", enforce_eager=True, async_scheduling=False),
+        "triton-graphs": dict(attention_backend="triton", enforce_eager=False, async_scheduling=False),
+        "triton-graphs-async": dict(attention_backend="triton", enforce_eager=False, async_scheduling=True),
+        "torch-eager-async": dict(attention_backend="torch", enforce_eager=True, async_scheduling=True),
     }.items():
         llm = LLM(args.model_config, dtype="float32", **common, **kw)
         ps = prompts(args.num_prompts, llm.engine.hf_config.vocab_size)

@@ -1,17 +1,60 @@
 #!/usr/bin/env bash
-# One GPU session's checks and timings, each stage time-boxed so one slow stage cannot sink
-# the rest. Results land in $OUT (or ./out): *.log per stage, *.json per benchmark.
+# GPU checks and timings, each stage time-boxed so one slow stage cannot sink the rest.
+# Results land in $OUT (or ./out): *.log per stage, *.json per benchmark.
+#
+#   benchmarks/gpu_suite.sh                 # the default stages
+#   benchmarks/gpu_suite.sh parity nano-x4  # just these
+#
+# Stage time limits can be set through T_<STAGE> (upper case, dashes as underscores).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 M=${MODELS:-benchmarks/models}
-stage() { local name=$1 secs=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 12 "$OUT/$name.log"; }
+TP="python3 -m deepbatch.bench.throughput --random-weights"
+# Memory under pressure: the KV pool capped at 4096 blocks (65,536 tokens), requests adding up to 2x.
+KV2X="$TP --workload kv-2x --model-config $M/qwen3-0.6b.json --num-gpu-blocks-override ${KV_BLOCKS:-4096}"
+
+limit() { local v="T_$(echo "$1" | tr 'a-z-' 'A-Z_')"; echo "${!v:-$2}"; }
+stage() {
+  local name=$1 secs; secs=$(limit "$1" "$2"); shift 2
+  echo "=== $name ($(date +%T), limit ${secs}s)"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 14 "$OUT/$name.log"
+}
+
+run_stage() {
+  case $1 in
+    parity) stage parity 150 python3 benchmarks/gpu_parity.py --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/parity.json" ;;
+    kernels) stage kernels 90 python3 -m pytest -q -m gpu tests/kernels ;;
+    profile-nano) stage profile-nano 90 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano --output-json "$OUT/profile-nano.json" ;;
+    timeline-nano) stage timeline-nano 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano --timeline --output-json "$OUT/timeline-nano.json" ;;
+    profile-nano-x4) stage profile-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano-x4 --warm-steps 900 --steps 40 --output-json "$OUT/profile-nano-x4.json" ;;
+    timeline-nano-x4) stage timeline-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
+      --workload nano-x4 --timeline --output-json "$OUT/timeline-nano-x4.json" ;;
+    nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
+    nano-x4-sync) stage nano-x4-sync 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --no-async-scheduling --output-json "$OUT/nano-x4-sync.json" ;;
+    nano-x4-peer) stage nano-x4-peer 300 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --peers hf-static --peer-requests 128 --peer-batch-size 128 --output-json "$OUT/nano-x4-peer.json" ;;
+    random-1k) stage random-1k 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" \
+      --output-json "$OUT/random-1k.json" ;;
+    seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" \
+      --output-json "$OUT/seed-table.json" ;;
+    mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
+      --peers hf-static --peer-requests 32 --peer-batch-size 32 --output-json "$OUT/mla-moe.json" ;;
+    kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
+    kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
+    kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;
+    kv-2x-auto) stage kv-2x-auto 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --output-json "$OUT/kv-2x-auto.json" ;;
+    *) echo "unknown stage $1"; return 2 ;;
+  esac
+}
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-stage nano-x4 ${T_NANO:-170} python3 -m deepbatch.bench.throughput --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
-  --random-weights --peers hf-static --peer-requests 128 --peer-batch-size 128 --output-json "$OUT/nano-x4.json"
-stage parity ${T_PARITY:-110} python3 benchmarks/gpu_parity.py --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/parity.json"
-stage kernels ${T_KERNELS:-80} python3 -m pytest -q -m gpu tests/kernels
-stage random-1k ${T_LLAMA:-150} python3 -m deepbatch.bench.throughput --workload random-1k --num-requests 256 \
-  --model-config "$M/llama-3.1-8b.json" --random-weights --output-json "$OUT/random-1k.json"
+git rev-parse --short HEAD 2>/dev/null
+if [ $# -eq 0 ]; then set -- parity kernels nano-x4 random-1k; fi
+for s in "$@"; do run_stage "$s"; done

@@ -32,6 +32,14 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    p.add_argument("--swap-space", type=float, default=0.0,
+                   help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
+    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
+                   help="auto: swap or recompute each victim, whichever the cost model says is cheaper")
+    p.add_argument("--swap-prefill-tokens-per-s", type=float, default=None,
+                   help="prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
+    p.add_argument("--swap-host-link-bytes-per-s", type=float, default=None,
+                   help="host-link rate the swap-or-recompute choice assumes (default: measured at start-up)")
     p.add_argument("--scheduling-policy", default="fcfs",
                    help="fcfs, priority, or fair (per-tenant fair share; the tenant is the request's 'user')")
     p.add_argument("--priority-aging-s", type=float, default=30.0,
@@ -41,6 +49,10 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy",
                    help="predictive: admit only when the expected output also fits, to avoid preemption")
     p.add_argument("--kv-watermark", type=float, default=0.01, help="fraction of KV blocks kept free at admission")
+    p.add_argument("--admission-batch-size", type=int, default=1,
+                   help="while decoding, admit waiting requests in groups of this many (fewer eager prefill steps)")
+    p.add_argument("--admission-max-delay-ms", type=float, default=250.0,
+                   help="longest a free seat waits for its admission group")
     p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
                    help="static: fixed batches (only to compare against continuous batching)")
     p.add_argument("--static-batch-size", type=int, default=8, help="batch size of --scheduling static")
@@ -53,6 +65,8 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the device runs this one (default: on for CUDA)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -65,7 +79,9 @@ def engine_config_from_args(args: argparse.Namespace):
         model=ModelConfig(model, resolve_dtype(args.dtype, device), args.max_model_len, args.seed, False,
                           args.tokenizer, envs.DEEPBATCH_CACHE_DIR),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
-                          args.num_gpu_blocks_override),
+                          args.num_gpu_blocks_override, swap_space=args.swap_space,
+                          swap_prefill_tokens_per_s=args.swap_prefill_tokens_per_s,
+                          swap_host_link_bytes_per_s=args.swap_host_link_bytes_per_s),
         scheduler=SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
             priority_aging_s=args.priority_aging_s,
@@ -73,13 +89,17 @@ def engine_config_from_args(args: argparse.Namespace):
             tenant_max_tokens_per_minute=args.tenant_max_tokens_per_minute,
             static_batch_size=args.static_batch_size if args.scheduling == "static" else None,
             admission=args.admission,
+            admission_batch_size=args.admission_batch_size,
+            admission_max_delay_ms=args.admission_max_delay_ms,
             kv_watermark=args.kv_watermark,
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
+            preemption_mode=args.preemption_mode,
         ),
         device=device,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -56,6 +56,11 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # KV budget on the CPU, where there is no device memory to profile.
     cpu_kv_cache_bytes: int = 2 << 30
+    # Host memory (GiB) for preemption by swap (vLLM's --swap-space); 0: recompute only.
+    swap_space: float = 0.0
+    # Rates of the swap-or-recompute cost model; None: measured at start-up.
+    swap_prefill_tokens_per_s: float | None = None
+    swap_host_link_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +69,12 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override: must be >= 1")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space: must be >= 0 GiB, got {self.swap_space}")
+        for name in ("swap_prefill_tokens_per_s", "swap_host_link_bytes_per_s"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name}: must be > 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,16 @@ class SchedulerConfig:
     # It moves max_num_seqs and max_num_batched_tokens at run time, never above the values above.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Admission batching: while requests are decoding, admit waiting ones only once
+    # min(admission_batch_size, waiting) seats are free, or a seat has been free this long. A step
+    # that carries a prefill runs without CUDA graphs and costs several decode steps of host
+    # time, so admitting one request per freed seat keeps the GPU waiting; grouping them trades a
+    # bounded delay to the first token for throughput. 1 admits at once.
+    admission_batch_size: int = 1
+    admission_max_delay_ms: float = 250.0
+    # How a victim gives up its KV blocks: "auto" (the swap cost model decides, per victim),
+    # "swap" (whenever the host pool can take it), "recompute". Swap needs a swap space.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -98,8 +119,14 @@ class SchedulerConfig:
             raise ValueError(f"policy: must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
         if self.admission not in ("greedy", "predictive"):
             raise ValueError(f"admission: must be 'greedy' or 'predictive', got {self.admission!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode: must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
+        if self.admission_batch_size < 1:
+            raise ValueError(f"admission_batch_size: must be >= 1, got {self.admission_batch_size}")
+        if self.admission_max_delay_ms < 0:
+            raise ValueError(f"admission_max_delay_ms: must be >= 0, got {self.admission_max_delay_ms}")
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s: must be >= 0, got {self.priority_aging_s}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -120,6 +147,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
+    # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
+    async_scheduling: bool | None = None
     log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """``deepbatch doctor``: what this machine offers and what the current settings would give.
 
-GPUs (name, memory, driver, NUMA node, link topology), host memory and its cgroup limit, and
-the KV capacity the engine settings would yield, estimated from the model config without
+GPUs (name, memory, driver, NUMA node, link topology), the caching allocator's view of each GPU
+from this process, host memory and its cgroup limit, whether ``--swap-space`` fits under them,
+and the KV capacity the engine settings would yield, estimated from the model config without
 loading weights. Plain text, or ``--json``.
 """
 
@@ -24,14 +25,15 @@ def _read(path: str) -> str | None:
         return None
 
 
-def cgroup_memory() -> dict:
-    """The cgroup's memory limit and usage in bytes (v2, else v1); None where unlimited/unknown."""
-    v2_max, v2_cur = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+def cgroup_memory(root: str = "/sys/fs/cgroup") -> dict:
+    """The cgroup's memory limit and usage in bytes (v2, else v1); None where unlimited/unknown.
+    ``root`` is where the cgroup filesystem is mounted (tests pass a crafted directory)."""
+    v2_max, v2_cur = _read(f"{root}/memory.max"), _read(f"{root}/memory.current")
     if v2_max is not None:
         return {"version": 2, "limit_bytes": None if v2_max == "max" else int(v2_max),
                 "usage_bytes": int(v2_cur) if v2_cur else None}
-    v1_max = _read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-    v1_cur = _read("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+    v1_max = _read(f"{root}/memory/memory.limit_in_bytes")
+    v1_cur = _read(f"{root}/memory/memory.usage_in_bytes")
     if v1_max is not None:
         limit = int(v1_max)
         return {"version": 1, "limit_bytes": None if limit >= 1 << 60 else limit,
@@ -39,13 +41,34 @@ def cgroup_memory() -> dict:
     return {"version": None, "limit_bytes": None, "usage_bytes": None}
 
 
-def host_memory() -> dict:
+def host_memory(meminfo: str = "/proc/meminfo") -> dict:
     info = {}
-    for line in (_read("/proc/meminfo") or "").splitlines():
+    for line in (_read(meminfo) or "").splitlines():
         key, _, rest = line.partition(":")
         if key in ("MemTotal", "MemAvailable"):
             info[key] = int(rest.split()[0]) * 1024
     return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+
+
+def check_swap_space(swap_bytes: int, cgroup: dict | None = None, host: dict | None = None) -> None:
+    """Refuse (ValueError) a swap space larger than the memory this process may still take: the
+    cgroup's limit minus its usage, and the host's available memory. Pinned memory cannot be
+    paged out, so crossing either ends in the OOM killer, not in slow swapping."""
+    if swap_bytes <= 0:
+        return
+    cgroup = cgroup_memory() if cgroup is None else cgroup
+    host = host_memory() if host is None else host
+    gib = 2**30
+    if cgroup.get("limit_bytes") is not None:
+        headroom = cgroup["limit_bytes"] - (cgroup.get("usage_bytes") or 0)
+        if swap_bytes > headroom:
+            raise ValueError(
+                f"swap_space: {swap_bytes / gib:.2f} GiB does not fit under the cgroup v{cgroup.get('version')} memory "
+                f"limit ({cgroup['limit_bytes'] / gib:.2f} GiB, {max(headroom, 0) / gib:.2f} GiB left); lower --swap-space")
+    available = host.get("available_bytes")
+    if available is not None and swap_bytes > available:
+        raise ValueError(f"swap_space: {swap_bytes / gib:.2f} GiB is more than the host's available memory "
+                         f"({available / gib:.2f} GiB); lower --swap-space")
 
 
 def gpus() -> list[dict]:
@@ -63,6 +86,27 @@ def gpus() -> list[dict]:
                     "compute_capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
                     "numa_node": int(numa) if numa not in (None, "-1") else None})
     return out
+
+
+def gpu_allocators() -> list[dict]:
+    """Reserved vs allocated bytes, largest free segment and fragmentation per GPU (this process)."""
+    from deepbatch.metrics.allocator import allocator_view
+
+    if not torch.cuda.is_available():
+        return []
+    snapshot = torch.cuda.memory_snapshot()
+    return [{"index": i, **allocator_view(torch.cuda.memory_stats(i), snapshot, i).as_dict()}
+            for i in range(torch.cuda.device_count())]
+
+
+def swap_space(config) -> dict:
+    swap_bytes = int(config.cache.swap_space * 2**30)
+    try:
+        check_swap_space(swap_bytes)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"bytes": swap_bytes, "error": error}
 
 
 def gpu_topology() -> str | None:
@@ -99,6 +143,7 @@ def report(config) -> dict:
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda, "cpus": os.cpu_count(), "host_memory": host_memory(),
         "cgroup_memory": cgroup_memory(), "gpus": gpus(), "gpu_topology": gpu_topology(),
+        "gpu_allocator": gpu_allocators(), "swap_space": swap_space(config),
     }
     try:
         rep["kv"] = kv_capacity(config)
@@ -122,6 +167,13 @@ def format_report(rep: dict) -> str:
                      f"{g['total_bytes'] / gib:.1f} GiB, {g['free_bytes'] / gib:.1f} free, NUMA {g['numa_node']}")
     if not rep["gpus"]:
         lines.append("gpu        none")
+    for a in rep.get("gpu_allocator") or []:
+        lines.append(f"allocator  gpu {a['index']}: reserved {a['reserved_bytes'] / gib:.2f} GiB, allocated "
+                     f"{a['allocated_bytes'] / gib:.2f} GiB, largest free segment "
+                     f"{a['largest_free_segment_bytes'] / 2**20:.1f} MiB, fragmentation {a['fragmentation_ratio']:.3f}")
+    sw = rep.get("swap_space")
+    if sw and sw["bytes"]:
+        lines.append(f"swap space {sw['bytes'] / gib:.2f} GiB: " + (f"refused: {sw['error']}" if sw["error"] else "fits"))
     if rep["gpu_topology"]:
         lines += ["topology", rep["gpu_topology"].rstrip()]
     kv = rep["kv"]

@@ -36,23 +36,36 @@ class LLM:
         device: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
         admission: str = "greedy",
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
+        admission_batch_size: int | None = None,
+        admission_max_delay_ms: float = 250.0,
+        swap_space: float = 0.0,
+        preemption_mode: str = "auto",
     ):
         device = device or default_device()
+        if admission_batch_size is None:
+            # Offline runs are for throughput: on a GPU with CUDA graphs, group admissions so
+            # fewer steps run eagerly (see SchedulerConfig.admission_batch_size).
+            admission_batch_size = 64 if device.startswith("cuda") and not enforce_eager else 1
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
                               envs.DEEPBATCH_CACHE_DIR),
-            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override),
+            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override,
+                              swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
+                                      admission_batch_size=admission_batch_size,
+                                      admission_max_delay_ms=admission_max_delay_ms, preemption_mode=preemption_mode,
                                       slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms),
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         torch.manual_seed(seed)
         self.engine = LLMEngine(config)
@@ -110,11 +123,7 @@ class LLM:
         ]
         order = {}
         for i, requests in enumerate(batches):
-            pid = requests[0].parent_id
-            order[pid] = i
-            engine._children[pid] = requests
-            for r in requests:
-                engine.scheduler.add_request(r)
+            order[engine.enqueue(requests)] = i
         results: list[RequestOutput | None] = [None] * len(items)
         bar = tqdm(total=len(items), desc="Generating", unit="req", disable=not use_tqdm or len(items) < 2)
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -57,6 +57,7 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", snap.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", snap.num_waiting)
+        yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.", snap.num_swapped)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", snap.kv_cache_usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       snap.prefix_cache_queries)
@@ -83,6 +84,45 @@ class _EngineCollector:
             yield gauge("deepbatch:controller_max_num_batched_tokens",
                         "max_num_batched_tokens (and prefill chunk bound) set by the SLO controller.",
                         ctl["settings"]["max_num_batched_tokens"])
+        by_mode = CounterMetricFamily("deepbatch:num_preemptions", "Preemptions by mode (swap or recompute); they "
+                                      "sum to vllm:num_preemptions.", labels=["model_name", "mode"])
+        by_mode.add_metric([self.model_name, "swap"], snap.num_preemptions_swap)
+        by_mode.add_metric([self.model_name, "recompute"], snap.num_preemptions_recompute)
+        yield by_mode
+        if snap.swap_blocks_total:
+            yield gauge("deepbatch:swap_space_blocks_total", "KV blocks the host swap space holds.",
+                        snap.swap_blocks_total)
+            yield gauge("deepbatch:swap_space_free_blocks", "Free KV blocks in the host swap space.",
+                        snap.swap_free_blocks)
+        alloc = snap.allocator
+        if alloc is not None:  # only where this process uses CUDA
+            yield gauge("deepbatch:gpu_memory_reserved_bytes", "Device memory the caching allocator holds.",
+                        alloc.reserved_bytes)
+            yield gauge("deepbatch:gpu_memory_allocated_bytes", "Device memory held by live tensors.",
+                        alloc.allocated_bytes)
+            yield gauge("deepbatch:gpu_memory_largest_free_segment_bytes",
+                        "Largest free block inside the allocator's reserved segments.",
+                        alloc.largest_free_segment_bytes)
+            yield gauge("deepbatch:gpu_memory_fragmentation_ratio", "1 - allocated / reserved device memory.",
+                        alloc.fragmentation_ratio)
+
+
+def engine_stats(snap: EngineSnapshot) -> dict:
+    """The JSON of ``GET /stats``: queue, KV accounting, preemptions by mode, swap space and the
+    GPU allocator view (null without CUDA)."""
+    kv = snap.kv_stats
+    return {
+        "num_requests_running": snap.num_running,
+        "num_requests_waiting": snap.num_waiting,
+        "num_requests_swapped": snap.num_swapped,
+        "kv_cache_usage": snap.kv_cache_usage,
+        "kv_cache": asdict(kv) if kv is not None else None,
+        "num_preemptions": {"total": snap.num_preemptions, "swap": snap.num_preemptions_swap,
+                            "recompute": snap.num_preemptions_recompute},
+        "swap_space": {"blocks_total": snap.swap_blocks_total, "free_blocks": snap.swap_free_blocks},
+        "gpu_allocator": snap.allocator.as_dict() if snap.allocator is not None else None,
+        "prefix_cache": {"queried_tokens": snap.prefix_cache_queries, "hit_tokens": snap.prefix_cache_hits},
+    }
 
 
 @dataclass

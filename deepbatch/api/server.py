@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 import deepbatch
 from deepbatch.api.errors import APIError, bad_request, error_response, from_validation_error, install_error_handlers
-from deepbatch.api.metrics import ServerMetrics, log_stats_periodically
+from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
@@ -198,6 +198,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, "the SLO controller is off; start the server with --slo-ttft-ms and/or --slo-tpot-ms",
                            code="controller_off")
         return report
+
+    @app.get("/stats")
+    async def stats() -> dict:
+        return engine_stats(engine.snapshot())
 
     @app.get("/version")
     async def version() -> dict:

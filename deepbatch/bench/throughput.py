@@ -3,6 +3,11 @@ HF peers on the same weights in the same process, printed as one table against t
 
     deepbatch bench throughput --workload nano-x4 --model-config qwen3-0.6b.json --random-weights \
         --peers hf-static --output-json out.json
+
+Memory under pressure: ``--workload kv-2x`` queues requests whose contexts add up to twice the
+KV capacity (cap the pool with ``--num-gpu-blocks-override``); compare ``--swap-space``,
+``--preemption-mode`` and ``--admission``. The run reports preemptions by mode, KV accounting and
+the GPU allocator view (``bench/memory_report.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import torch
 
 from deepbatch.bench.roofline import model_cost, workload_ceiling
+from deepbatch.bench.memory_report import KVSampler, format_memory
 from deepbatch.bench.workloads import WORKLOADS, make_workload
 
 
@@ -35,7 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preemption by swap")
+    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
+    p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")
+    p.add_argument("--admission-max-delay-ms", type=float, default=250.0)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile", action="store_true", help="print where the host's time goes (cProfile)")
@@ -61,17 +74,24 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend, max_model_len=4096,
+              async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
+              admission_max_delay_ms=args.admission_max_delay_ms,
+              num_gpu_blocks_override=args.num_gpu_blocks_override, admission=args.admission,
+              swap_space=args.swap_space, preemption_mode=args.preemption_mode)
     engine = llm.engine
     cfg = engine.hf_config
-    w = make_workload(args.workload, cfg.vocab_size, args.num_requests)
+    w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)
     params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     prompts = [{"prompt_token_ids": p} for p in w.prompts]
 
-    # Warm-up outside the timing (kernel compilation, allocator).
+    # Warm-up outside the timing (kernel compilation, allocator); it leaves no learned state.
+    expected_output_len = engine.scheduler.expected_output_len
     llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * min(4, len(prompts)), use_tqdm=False)
     engine.kv_cache.pool.reset_prefix_cache()
     engine.scheduler.num_preemptions = 0
+    engine.scheduler.expected_output_len = expected_output_len
+    sampler = KVSampler(engine)
     steps0 = engine.stats.num_steps
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -86,11 +106,13 @@ def run(args: argparse.Namespace) -> dict:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    memory = sampler.finish()
     if prof is not None:
         import pstats
 
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == w.num_output_tokens, (n_out, w.num_output_tokens)
     dtype_bytes = torch.tensor([], dtype=engine.config.model.dtype).element_size()
@@ -101,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
-            "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1)}
+            "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1),
+            "admission": args.admission, "swap_space_gib": args.swap_space, "memory": memory}
     results = [ours]
 
     peers = [p for p in args.peers.split(",") if p]
@@ -185,6 +208,8 @@ def print_table(report: dict) -> None:
             if ceiling else "")
     print(f"{roof}{ours['steps']} steps, {ours['preemptions']} preemptions, KV {ours['kv_capacity_tokens']} tokens, "
           f"prefix hit rate {100 * ours['prefix_hit_rate']:.1f}%")
+    if "memory" in ours:
+        print(format_memory(ours["memory"]))
 
 
 def main(argv=None) -> None:

@@ -61,11 +61,26 @@ def cpu_smol(vocab: int, seed: int = 0) -> Workload:
     return Workload("cpu-smol", prompts, [64] * 64)
 
 
-WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol"]
+def kv_multiple(name: str, factor: int, kv_capacity_tokens: int, vocab: int, prompt_len: int = 256,
+                output_len: int = 256) -> Workload:
+    """Requests whose final contexts (prompt + output) add up to ``factor`` times the KV capacity,
+    all queued at once: greedy admission fills the pool with prompts, then decodes outgrow it."""
+    n = max(1, factor * kv_capacity_tokens // (prompt_len + output_len))
+    return fixed(name, n, prompt_len, output_len, vocab)
 
 
-def make_workload(name: str, vocab: int, num_requests: int | None = None) -> Workload:
-    if name == "nano":
+WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol", "kv-2x"]
+# Workloads sized from the engine's KV capacity (known only once the engine is built).
+KV_SIZED = {"kv-2x": 2}
+
+
+def make_workload(name: str, vocab: int, num_requests: int | None = None,
+                  kv_capacity_tokens: int | None = None) -> Workload:
+    if name in KV_SIZED:
+        if kv_capacity_tokens is None:
+            raise ValueError(f"workload {name!r} is sized from the KV capacity; pass kv_capacity_tokens")
+        w = kv_multiple(name, KV_SIZED[name], kv_capacity_tokens, vocab)
+    elif name == "nano":
         w = nano(256)
     elif name == "nano-x4":
         w = nano(1024, "nano-x4")

@@ -34,6 +34,8 @@ from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheStats
+from deepbatch.metrics.allocator import AllocatorView, gpu_allocator_view
+from deepbatch.scheduler.preemption import RECOMPUTE, SWAP
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,14 @@ class EngineSnapshot:
     kv_stats_time: float = 0.0
     # The SLO controller's report (``SLOController.report``, replaced, never mutated); None when off.
     controller: dict | None = None
+    # Preemptions by mode (they sum to num_preemptions) and the host swap pool.
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swapped: int = 0  # preempted requests whose KV waits in the host swap space
+    swap_blocks_total: int = 0
+    swap_free_blocks: int = 0
+    # The GPU caching allocator (None without CUDA), refreshed with kv_stats.
+    allocator: AllocatorView | None = None
 
 
 @dataclass
@@ -341,10 +351,17 @@ class AsyncEngine:
         e = self.engine
         now = time.monotonic()
         kv_stats, kv_time = self._snapshot.kv_stats, self._snapshot.kv_stats_time
+        allocator = self._snapshot.allocator
         if kv_stats is None or now - kv_time >= 1.0:
             kv_stats, kv_time = e.kv_cache.stats(e.scheduler.running), now
+            allocator = gpu_allocator_view()
+        preemptor = e.scheduler.preemptor
+        host = preemptor.host_pool
         self._snapshot = EngineSnapshot(
-            kv_stats=kv_stats, kv_stats_time=kv_time,
+            kv_stats=kv_stats, kv_stats_time=kv_time, allocator=allocator,
+            num_preemptions_swap=preemptor.num_preemptions_by_mode[SWAP],
+            num_preemptions_recompute=preemptor.num_preemptions_by_mode[RECOMPUTE], num_swapped=preemptor.num_swapped,
+            swap_blocks_total=host.num_blocks if host else 0, swap_free_blocks=host.num_free_blocks if host else 0,
             num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
             kv_cache_usage=e.kv_cache.usage(), prefix_cache_queries=e.kv_cache.num_queried_tokens,
             prefix_cache_hits=e.kv_cache.num_hit_tokens, num_preemptions=e.scheduler.num_preemptions,

@@ -5,6 +5,18 @@
                 sampled = runner.execute(out)
                 finished = scheduler.update(out, sampled)     # EOS, stop ids, lengths
                 detokenize, stop strings, outputs, stats       # hang off update
+
+With async scheduling (the default on a GPU) the host schedules and launches step N+1 before it
+waits for step N's sampled ids, so scheduling, batch building and output handling overlap the
+device instead of leaving it idle between steps::
+
+    host:    schedule N+1 | launch N+1 | commit N (wait N's ids) | advance N+1 | schedule N+2 ...
+    device:  ..... step N ..........   | step N+1 .....................................
+
+A request's token from step N is *pending* while step N+1 is scheduled: it counts as a token,
+step N+1 reads its id on the device, and ``commit`` fills it in. A request that stops at step N
+(EOS, stop string) was already scheduled in N+1: that one extra token is computed and dropped.
+Requests whose sampler needs their full history on the host (penalties) run synchronously.
 """
 
 from __future__ import annotations
@@ -15,16 +27,21 @@ import time
 from dataclasses import dataclass, field, replace
 
 from deepbatch.config import EngineConfig
+from deepbatch.doctor import check_swap_space
 from deepbatch.engine.detokenizer import Detokenizer
 from deepbatch.engine.errors import InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
+from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
+from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
+from deepbatch.sampling.sampler import PendingSample, SamplerOutput
 from deepbatch.scheduler.controller import make_controller
-from deepbatch.scheduler.scheduler import Scheduler
+from deepbatch.scheduler.preemption import Preemptor
+from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +69,57 @@ class LLMEngine:
         model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
         self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks()
+        swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
-        self.runner.capture_cuda_graphs()
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        preemptor = Preemptor(self.kv_cache)
+        if swap is not None:
+            num_host_blocks, cost = swap
+            self.runner.init_swap_space(num_host_blocks)
+            preemptor = Preemptor(self.kv_cache, HostBlockPool(num_host_blocks), cost, config.scheduler.preemption_mode)
+        self.runner.capture_cuda_graphs()
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, preemptor=preemptor)
         self.controller = make_controller(self.scheduler)  # None unless an SLO target is set
+        # For the controller: when each launched step's call began, and the last commit. A step's
+        # duration is from the later of the two to its commit: under async scheduling that is the
+        # commit-to-commit interval, and it never counts time the engine sat idle.
+        self._step_started: dict[int, float] = {}
+        self._last_commit = 0.0
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
         self.stats = EngineStats()
         self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
         self._ids = itertools.count()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # launched, not committed
+        self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB per block)",
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
             self.runner.kv_bytes_per_block() / 1024,
         )
+
+    def _swap_cost_model(self) -> tuple[int, SwapCostModel] | None:
+        """Host blocks and cost model for ``swap_space`` (None when it is 0). Refuses a swap space
+        the cgroup or the host cannot hold."""
+        cache = self.config.cache
+        if cache.swap_space <= 0:
+            return None
+        swap_bytes = int(cache.swap_space * 2**30)
+        check_swap_space(swap_bytes)
+        per_block = self.runner.kv_bytes_per_block()
+        n = num_host_blocks(swap_bytes, per_block)
+        if n < 1:
+            raise ValueError(f"swap_space: {cache.swap_space} GiB holds no KV block ({per_block} bytes)")
+        prefill = cache.swap_prefill_tokens_per_s or self.runner.measure_prefill_tokens_per_s(
+            min(self.config.scheduler.max_num_batched_tokens, 1024 if self.runner.device.type == "cuda" else 256))
+        link = cache.swap_host_link_bytes_per_s or measure_host_link_bytes_per_s(self.runner.device)
+        cost = SwapCostModel(prefill, link, per_block)
+        logger.info("swap space: %d host blocks (%.2f GiB); prefill %.0f tokens/s, host link %.2f GB/s: %s per "
+                    "block of %d tokens", n, n * per_block / 2**30, prefill, link / 1e9,
+                    "swap" if cost.prefer_swap(cache.block_size, 1) else "recompute", cache.block_size)
+        return n, cost
 
     @property
     def model_name(self) -> str:
@@ -161,13 +214,17 @@ class LLMEngine:
 
     def add_request(self, request_id, prompt, params: SamplingParams, priority: int = 0, tenant: str = "default",
                     arrival_time: float | None = None) -> str:
-        requests = self.make_requests(request_id, prompt, params, priority, tenant, arrival_time)
+        return self.enqueue(self.make_requests(request_id, prompt, params, priority, tenant, arrival_time))
+
+    def enqueue(self, requests: list[Request]) -> str:
+        """Queue the samples of one parent request (from ``make_requests``); returns its id."""
         parent = requests[0].parent_id
         if parent in self._children:
             raise InvalidRequestError("request_id", f"request id {parent!r} is already in use")
         self._children[parent] = requests
         for r in requests:
             self.scheduler.add_request(r)
+            self._num_sync_only += r.sampling_params.needs_penalties
         return parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -182,54 +239,81 @@ class LLMEngine:
         return self._output(request_id, children)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
-        start = time.monotonic()
-        out = self.scheduler.schedule()
         touched: dict[str, None] = {}
+        pipelined = self.async_scheduling and self._num_sync_only == 0
+        if not pipelined and self._inflight is not None:
+            self._commit(*self._inflight, touched)  # drain before running synchronously
+            self._inflight = None
+            return self._collect(touched, finished_only)
+        started = time.monotonic()
+        out = self.scheduler.schedule()
         for r in out.finished:
             self._on_finished(r)
             touched[r.parent_id] = None
+        pending = None
         if out.is_empty:
+            self.runner.swap_blocks(out)  # a step may preempt by swap and schedule nothing
+        else:
+            self.stats.num_steps += 1
+            for s in out.scheduled:
+                r = s.request
+                if r.num_computed_tokens < r.num_prompt_tokens:  # before advance: prompt tokens run now
+                    self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+            pending = self.runner.launch(out)
+            if self.controller is not None:
+                self._step_started[id(out)] = started
+        if not pipelined:
+            self.scheduler.advance(out, pending=False)
+            if pending is not None:
+                self._commit(out, pending, touched)
             return self._collect(touched, finished_only)
-        self.stats.num_steps += 1
-        sampler_out = self.runner.execute(out)
+        if self._inflight is not None:
+            self._commit(*self._inflight, touched)  # waits for the previous step only
+        self.scheduler.advance(out, pending=True)
+        self._inflight = (out, pending) if pending is not None else None
+        return self._collect(touched, finished_only)
+
+    def _commit(self, out: SchedulerOutput, pending: PendingSample, touched: dict[str, None]) -> None:
+        """Take a launched step's sampled tokens: stop checks, detokenize, timestamps."""
+        sampler_out: SamplerOutput = pending.resolve()
         sampling = [s.request for s in out.scheduled if s.samples]
-        sampled = {r.request_id: tok for r, tok in zip(sampling, sampler_out.token_ids)}
         now = time.monotonic()
-        for s in out.scheduled:
-            r = s.request
-            if r.num_computed_tokens < r.num_prompt_tokens:  # before update: prompt tokens run now
-                self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-        finished = self.scheduler.update(out, sampled)
-        first_token = []
-        for i, r in enumerate(sampling):
+        first_token, done = [], []
+        for i, (r, token) in enumerate(zip(sampling, sampler_out.token_ids)):
+            if r.is_finished:
+                continue  # stopped or aborted while this step ran; its token is dropped
             self.stats.num_generation_tokens += 1
+            finished = self.scheduler.commit_token(r, token)
             if r.first_token_time is None:
                 r.first_token_time = now
                 first_token.append(r)
             r.last_token_time = now
             if sampler_out.logprobs is not None and r.logprobs is not None:
                 r.logprobs.append(sampler_out.logprobs[i])
-            stop = self.detokenizer.update(r, [r.output_token_ids[-1]])
+            stop = self.detokenizer.update(r, [token])
             if stop is not None and not r.is_finished:
                 r.stop_reason = stop
                 self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-                finished.append(r)
+                finished = True
+            if finished:
+                self._on_finished(r)
+                done.append(r)
             touched[r.parent_id] = None
-        for r in finished:
-            self._on_finished(r)
         if self.controller is not None:
-            self.controller.observe_step(now - start, out.num_scheduled_tokens, len(out.scheduled), first_token, finished)
-        return self._collect(touched, finished_only)
+            started = max(self._step_started.pop(id(out), now), self._last_commit)
+            self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled), first_token, done)
+            self._last_commit = now
 
     def _on_finished(self, r: Request) -> None:
         self.runner.sampler.forget(r.request_id)
+        self._num_sync_only -= r.sampling_params.needs_penalties
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
 
@@ -249,7 +333,8 @@ class LLMEngine:
     def _output(parent_id: str, children: list[Request]) -> RequestOutput:
         first = children[0]
         completions = [
-            CompletionOutput(r.index, r.output_text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
+            CompletionOutput(r.index, r.output_text, r.output_token_ids[: r.num_output_tokens - r.num_pending_tokens],
+                             r.finish_reason, r.stop_reason,
                              list(r.logprobs) if r.logprobs is not None else None)
             for r in children
         ]

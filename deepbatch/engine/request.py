@@ -8,6 +8,10 @@ Phase is derived from counters, never stored beside them::
 
 A request is "prefilling" while ``num_computed_tokens < num_prompt_tokens`` and decoding once
 only the newest sampled token is left to run (``num_tokens - num_computed_tokens == 1``).
+
+With async scheduling the newest token may still be on the device when the next step is
+scheduled: it then stands in ``all_token_ids`` as ``PENDING_TOKEN`` (``num_pending_tokens == 1``)
+until the engine commits the sampled id. Only the last token can be pending.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 from deepbatch.engine.sampling_params import SamplingParams
+
+# Stands for a sampled token whose id is still on the device (async scheduling).
+PENDING_TOKEN = -1
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,6 +72,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # 0 or 1: the last token is PENDING_TOKEN
     # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).
     logprobs: list[tuple[float, dict[int, float]]] | None = None
 
@@ -107,6 +115,22 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but a pending one)."""
+        return len(self.all_token_ids) - self.num_pending_tokens
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_pending_token(self) -> None:
+        assert self.num_pending_tokens == 0, "only the newest token can be pending"
+        self.append_output_token(PENDING_TOKEN)
+        self.num_pending_tokens = 1
+
+    def commit_pending_token(self, token_id: int) -> None:
+        assert self.num_pending_tokens == 1
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+        self.num_pending_tokens = 0

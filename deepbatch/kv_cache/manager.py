@@ -105,7 +105,8 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
+        known = request.num_known_tokens  # a pending token's id is not known yet
+        while (len(hashes) + 1) * bs <= known:
             i = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
             hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
@@ -180,7 +181,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         start = self._num_cached_blocks.get(request.request_id, 0)
-        end = min(num_tokens, request.num_tokens) // self.block_size
+        end = min(num_tokens, request.num_known_tokens) // self.block_size
         if end <= start:
             return
         self._update_block_hashes(request)

@@ -14,13 +14,13 @@ from torch import nn
 class PreNormDecoderLayer(nn.Module):
     """Subclasses set ``self_attn``, ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``."""
 
-    def forward(self, x, residual, rotary, positions, batch):
+    def forward(self, x, residual, rope, batch):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, positions, batch)
+        x = self.self_attn(x, rope, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -32,7 +32,8 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids, positions, batch):
         x = self.embed_tokens(input_ids)
         residual = None
+        rope = self.rotary.at(positions)  # one table lookup for all layers
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, positions, batch)
+            x, residual = layer(x, residual, rope, batch)
         x, _ = self.norm(x, residual)
         return x

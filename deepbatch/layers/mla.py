@@ -44,13 +44,17 @@ class MLARotaryEmbedding(nn.Module):
         self.rope = RotaryEmbedding(config, rope_dim, max_position)
         self.interleaved = interleaved
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, P], k: [T, 1, P]
+    def at(self, positions: torch.Tensor):
+        """The rotation at ``positions``, looked up once per forward (see RotaryEmbedding.at)."""
         if not self.interleaved:
-            return self.rope(positions, q, k)
+            return self.rope.at(positions)
         cos = self.rope.cos[positions].unsqueeze(1)  # [T, 1, P/2]
         sin = self.rope.sin[positions].unsqueeze(1)
-        return _rotate_interleaved(q, cos, sin), _rotate_interleaved(k, cos, sin)
+        # q: [T, H, P], k: [T, 1, P]
+        return lambda q, k: (_rotate_interleaved(q, cos, sin), _rotate_interleaved(k, cos, sin))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.at(positions)(q, k)
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,8 +119,8 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def forward(self, x: torch.Tensor, rotary: MLARotaryEmbedding, positions: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        """``rope``: the rotation at this forward's positions (``MLARotaryEmbedding.at``)."""
         T = x.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -126,7 +130,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = rotary(positions, q_pe, k_pe.unsqueeze(1))  # [T, H, P], [T, 1, P]
+        q_pe, k_pe = rope(q_pe, k_pe.unsqueeze(1))  # [T, H, P], [T, 1, P]
         latent = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]
         # The latent is the key and the value of one KV head: the shared write path stores it
         # twice into the same slot, which is idempotent and keeps one write kernel.

@@ -49,18 +49,36 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hk, D]
+    def at(self, positions: torch.Tensor) -> "RotaryAt":
+        """The rotation at ``positions`` ([T]); every layer of a forward applies the same one,
+        so the table lookup runs once per forward, not once per layer."""
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
         sin = self.sin[positions].unsqueeze(1)
+        return RotaryAt(torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), self.rotary_dim)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.at(positions)(q, k)
+
+
+class RotaryAt:
+    """cos/sin gathered for one forward's positions: ``[T, 1, rot]`` float32 each."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
+        self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D]
+        cast = self._cast.get(q.dtype)
+        if cast is None:
+            cast = self._cast[q.dtype] = (self.cos.to(q.dtype), self.sin.to(q.dtype))
+        cos, sin = cast
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
     # Same arithmetic order as transformers' apply_rotary_pos_emb: x*cos + rotate_half(x)*sin, in
-    # x's dtype, so fp32 outputs match the reference bit for bit.
-    cos = torch.cat((cos, cos), dim=-1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).to(x.dtype)
+    # x's dtype (cos/sin come cast to it), so fp32 outputs match the reference bit for bit.
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
     rotated = torch.cat((-x2, x1), dim=-1)

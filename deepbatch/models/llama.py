@@ -15,7 +15,7 @@ from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
 from deepbatch.layers.linear import Linear, MergedLinear
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
-from deepbatch.layers.rotary import RotaryEmbedding
+from deepbatch.layers.rotary import RotaryAt, RotaryEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
 
 
@@ -36,7 +36,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor, batch: ForwardBatch):
+    def forward(self, x: torch.Tensor, rope: RotaryAt, batch: ForwardBatch):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rope(q, k)
         o = self.attn(q, k, v, batch)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 

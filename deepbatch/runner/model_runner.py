@@ -5,13 +5,15 @@ what it needs through ``cache_shapes()`` (K and V of ``[num_kv_heads, head_dim]`
 standard attention, one latent vector for MLA); the runner allocates
 ``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool.
 It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
-into the config.
+into the config. With a swap space it also owns the host KV pool (``runner/kv_swap.py``) and
+performs the step's swap copies before the forward.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -20,7 +22,9 @@ from deepbatch.config import EngineConfig
 from deepbatch.layers.attention import make_backend
 from deepbatch.runner.cuda_graph import DecodeCudaGraphs
 from deepbatch.runner.forward_batch import ForwardBatch
-from deepbatch.sampling.sampler import Sampler, SamplerOutput
+from deepbatch.engine.request import PENDING_TOKEN, Request
+from deepbatch.runner.kv_swap import HostKVCache
+from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
 from deepbatch.scheduler.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,11 @@ class ModelRunner:
         self.sampler = Sampler(hf_config.vocab_size, self.device)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: DecodeCudaGraphs | None = None
+        # The last launched step's sampled ids, still on the device, and each sampling
+        # request's row in them: a pending input token is read from there.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        self.host_kv: HostKVCache | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -116,6 +125,27 @@ class ModelRunner:
         self.kv_caches = self._alloc_caches(num_blocks)
         self._bind(self.kv_caches)
 
+    def init_swap_space(self, num_blocks: int) -> None:
+        """The host pool for preemption by swap, laid out like the device cache."""
+        self.host_kv = HostKVCache(self.kv_caches, num_blocks)
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """The step's swap copies (outs, then ins); a no-op for steps without any."""
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            self.host_kv.copy(self.kv_caches, out.blocks_to_swap_out, out.blocks_to_swap_in)
+
+    def measure_prefill_tokens_per_s(self, num_tokens: int) -> float:
+        """Prompt tokens per second of one forward over ``num_tokens`` (the second of two, so
+        compilation and allocator warm-up are not timed). Call before ``init_kv_cache``."""
+        self._dummy_forward(num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self._dummy_forward(num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return num_tokens / max(time.perf_counter() - t0, 1e-9)
+
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -139,12 +169,17 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens, logits_idx = [], [], [], [0], [], []
+        pending_rows, pending_src = [], []
         max_blocks = 1
         for s in out.scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
-                ids.append((r.all_token_ids[start],))
+                token = r.all_token_ids[start]
+                if token == PENDING_TOKEN:  # sampled by the step still in flight
+                    pending_rows.append(qsl[-1])
+                    pending_src.append(self._last_rows[r.request_id])
+                ids.append((token,))
                 positions.append((start,))
                 slots.append((r.block_ids[start // bs] * bs + start % bs,))
             else:
@@ -171,8 +206,14 @@ class ModelRunner:
             host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
             return (host.pin_memory() if pin else host).to(device=dev, non_blocking=True)
 
+        input_ids = t(np.concatenate(ids).astype(np.int64, copy=False), torch.long)
+        if pending_rows:
+            # Stream order makes this read the previous step's sampled ids once they exist.
+            rows = t(np.asarray(pending_rows + pending_src, dtype=np.int64), torch.long)
+            n = len(pending_rows)
+            input_ids[rows[:n]] = self._last_sampled[rows[n:]]
         return ForwardBatch(
-            input_ids=t(np.concatenate(ids).astype(np.int64, copy=False), torch.long),
+            input_ids=input_ids,
             positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
             slot_mapping=t(np.concatenate(slots).astype(np.int64, copy=False), torch.long),
             query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
@@ -185,15 +226,28 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run the step; returns one sampled token per request whose chunk reached its end, in
-        the order of ``out.scheduled``."""
+        """Run the step and wait for it; returns one sampled token per request whose chunk
+        reached its end, in the order of ``out.scheduled``."""
+        pending = self.launch(out)
+        return pending.resolve() if pending is not None else SamplerOutput([])
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput) -> PendingSample | None:
+        """Queue the step on the device and return without waiting (None when no request
+        samples). Inputs may be pending tokens of the previous launch."""
+        # Before the forward, which may rewrite blocks freed by this step's swap-outs; stream
+        # order puts the copies after the previous launch's writes.
+        self.swap_blocks(out)
         batch = self.build_batch(out)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
         if not sampling:
-            return SamplerOutput([])
+            return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self.sampler(logits, sampling)
+        pending = self.sampler.sample(logits, sampling)
+        self._last_sampled = pending.token_ids
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
+        return pending

@@ -23,6 +23,62 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
+class PendingSample:
+    """A step's sampled ids (and logprobs) on their way to the host.
+
+    ``token_ids`` stays on the device, so the next step can read its inputs from it without a
+    host sync. The host copies are queued (into pinned memory on a GPU) behind the sampling
+    kernels; ``resolve`` waits for that copy alone, not for work queued after it.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, params):
+        self.token_ids = token_ids
+        self._params = params
+        pin = token_ids.device.type == "cuda"
+        self._host = [_to_host(token_ids, pin)]
+        self._k_max = 0
+        if logprobs is not None:
+            self._k_max = max((p.logprobs or 0) for p in params)
+            chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            self._host.append(_to_host(chosen, pin))
+            if self._k_max > 0:
+                vals, ids = logprobs.topk(self._k_max, dim=-1)
+                self._host += [_to_host(vals, pin), _to_host(ids, pin)]
+        self._event = None
+        if pin:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._resolved: SamplerOutput | None = None
+
+    def resolve(self) -> SamplerOutput:
+        if self._resolved is None:
+            if self._event is not None:
+                self._event.synchronize()  # the one host sync of a step
+            token_ids = self._host[0].tolist()
+            logprobs = None
+            if len(self._host) > 1:
+                chosen = self._host[1].tolist()
+                top_vals = self._host[2].tolist() if self._k_max else None
+                top_ids = self._host[3].tolist() if self._k_max else None
+                logprobs = []
+                for i, p in enumerate(self._params):
+                    if p.logprobs is None:
+                        logprobs.append(None)
+                        continue
+                    top = {top_ids[i][j]: top_vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
+                    logprobs.append((chosen[i], top))
+            self._resolved = SamplerOutput(token_ids, logprobs)
+        return self._resolved
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if not pin:
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: str | torch.device):
         self.vocab_size = vocab_size
@@ -39,9 +95,13 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab)."""
+        return self.sample(logits, requests).resolve()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).
+        Queues the sampling on the device and returns without waiting for it."""
         params = [r.sampling_params for r in requests]
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
@@ -57,8 +117,7 @@ class Sampler:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample(logits, requests)
-        token_ids = sampled.tolist()  # the one host sync of the step
-        return SamplerOutput(token_ids, self._gather_logprobs(logprobs, sampled, params) if logprobs is not None else None)
+        return PendingSample(sampled, logprobs, params)
 
     # -- logits processors ------------------------------------------------------------------
 
@@ -141,22 +200,6 @@ class Sampler:
     def _to_device(self, rows: list[list[float]]) -> torch.Tensor:
         t = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _gather_logprobs(logprobs, sampled, params):
-        k_max = max((p.logprobs or 0) for p in params)
-        chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = (logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None))
-        top_vals = top_vals.tolist() if top_vals is not None else None
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        out = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            top = {top_ids[i][j]: top_vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
-            out.append((chosen[i], top))
-        return out
 
 
 def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

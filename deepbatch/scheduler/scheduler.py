@@ -8,9 +8,10 @@ prompt plus output. There is no prefill phase and no decode phase; everything fa
 rule.
 
 The policy (``scheduler/policy.py``) only orders the queues and sets limits. When the KV cache
-cannot supply blocks for a running request, the scheduler preempts (by recompute) the running
-request that sorts last (by default: lowest priority, then latest arrival). A preempted request
-keeps its arrival time and priority, so it goes back to its place in line.
+cannot supply blocks for a running request, the scheduler preempts the running request that sorts
+last (by default: lowest priority, then latest arrival), by swap or by recompute as
+``scheduler/preemption.py`` decides. A preempted request keeps its arrival time and priority, so
+it goes back to its place in line; a swapped one resumes by swapping in when it reaches the head.
 """
 
 from __future__ import annotations
@@ -24,24 +25,30 @@ from deepbatch.config import SchedulerConfig
 from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.policy import make_policy
+from deepbatch.scheduler.preemption import Preemptor
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # True when this chunk reaches the request's newest token, so a token is sampled. Fixed
+    # when scheduled: the request's counters move on before the step's tokens are committed.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's newest token, so a token is sampled."""
+    def __post_init__(self) -> None:
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # KV copies the runner performs before the forward, swap-outs first: (device block, host
+    # slot) and (host slot, device block).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Requests ended by the scheduler itself (e.g. can never fit); already freed.
     finished: list[Request] = field(default_factory=list)
 
@@ -56,7 +63,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, preemptor: Preemptor | None = None):
         self.config = config
         self.clock = clock  # policies age and rate-limit against it; tests pass a fake one
         self.kv_cache = kv_cache
@@ -70,6 +77,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._seat_free_since: float | None = None  # admission batching: when a seat first went unused
+        self.preemptor = preemptor or Preemptor(kv_cache)  # default: recompute only
         # Mean output length of finished requests (exponential moving average): the expected
         # output of a request that has not said otherwise, for predictive admission.
         self.expected_output_len = 256.0
@@ -122,6 +131,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = self.clock()
         policy = self.policy
+        self.preemptor.begin_step()
         self.running.sort(key=lambda r: policy.victim_key(r, now))
         self.waiting = deque(sorted(self.waiting, key=lambda r: policy.key(r, now)))
         if policy.preemptive:
@@ -131,6 +141,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and self._reaches_length(request):
+                i += 1  # its pending token is its last; nothing more to run
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]  # possibly the request itself
@@ -141,7 +154,7 @@ class Scheduler:
                     break
                 self.running.pop()
                 self.policy.on_released(victim)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is request:
                     break
@@ -160,6 +173,8 @@ class Scheduler:
         static = self.config.static_batch_size
         seats = self.max_num_seqs if static is None else (min(static, self.max_num_seqs) if not self.running else 0)
         skipped: list[Request] = []
+        if static is None and self._hold_admission(seats, now):
+            seats = 0
         while self.waiting and budget > 0 and len(self.running) < seats:
             request = self.waiting[0]
             if request in out.preempted:
@@ -167,17 +182,24 @@ class Scheduler:
             if not policy.admissible(request, now):
                 skipped.append(self.waiting.popleft())  # over its tenant's limits; others may go
                 continue
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            # A swapped-out request resumes from its own KV (swapped in), not from prefix hits.
+            swapped = self.preemptor.swapped_tokens(request)
+            hits, num_hit_tokens = ([], swapped) if swapped else self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.config.admission == "predictive" and self.running and not self._predicted_fit(request, hits):
                 break  # would likely force a preemption later; wait for room
-            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            if swapped:
+                fits = self.preemptor.swap_in(request, num_new, out.blocks_to_swap_in)
+            else:
+                fits = self.kv_cache.allocate_slots(request, num_new, hits) is not None
+            if not fits:
                 if self.running:
                     break  # head of line waits; running requests free blocks as they finish
                 self.waiting.popleft()  # nothing holds blocks and it still does not fit
                 self._fail_never_fits(request, out)
                 continue
-            self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            if not swapped:
+                self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -192,6 +214,18 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _hold_admission(self, seats: int, now: float) -> bool:
+        """Admission batching (``admission_batch_size``): True while decodes run and fewer seats
+        are free than the group to admit, for at most ``admission_max_delay_ms``."""
+        group = min(self.config.admission_batch_size, len(self.waiting))
+        free = seats - len(self.running)
+        if group <= 1 or not self.running or free <= 0 or free >= group:
+            self._seat_free_since = None
+            return False
+        if self._seat_free_since is None:
+            self._seat_free_since = now
+        return (now - self._seat_free_since) * 1e3 < self.config.admission_max_delay_ms
 
     def _expected_total(self, request: Request) -> int:
         """Tokens the request is expected to hold when it finishes."""
@@ -220,27 +254,49 @@ class Scheduler:
                 return
             self.running.pop()
             policy.on_released(last)
-            self._preempt(last)
+            self._preempt(last, out)
             out.preempted.append(last)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance counters after the model ran; append sampled tokens; return the requests that
         finished through a stop condition the scheduler can see (EOS, stop ids, lengths)."""
+        self.advance(out, pending=False)
         finished = []
         for s in out.scheduled:
-            request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._remove_running(request)
-                self.requests.pop(request.request_id, None)
-                self._finish(request, status)
-                finished.append(request)
+            token = sampled.get(s.request.request_id)
+            if token is not None and self.commit_token(s.request, token):
+                finished.append(s.request)
         return finished
+
+    def advance(self, out: SchedulerOutput, pending: bool = True) -> None:
+        """Count the step's tokens as computed once the step is launched. With ``pending``, a
+        request that samples gets a pending token, so the next step can be scheduled before the
+        sampled id reaches the host (async scheduling); ``commit_token`` fills it in."""
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:
+                continue  # ended (stop string, abort) while its step ran; the step's token is dropped
+            request.num_computed_tokens += s.num_new_tokens
+            if s.samples and pending:
+                request.append_pending_token()
+
+    def commit_token(self, request: Request, token: int) -> bool:
+        """Record a sampled token (filling the pending one, if any) and apply the stop checks.
+        Returns True when the request finished here."""
+        if request.num_pending_tokens:
+            request.commit_pending_token(token)
+        else:
+            request.append_output_token(token)
+        status = self._check_stop(request, token)
+        if status is None:
+            return False
+        if request in self.running:
+            self._remove_running(request)
+        elif request in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)
+        self._finish(request, status)
+        return True
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -253,9 +309,12 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _reaches_length(self, request: Request) -> bool:
+        return request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def _remove_running(self, request: Request) -> None:
         self.running.remove(request)
@@ -267,9 +326,8 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         out.finished.append(request)
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.preemptor.preempt(request, out.blocks_to_swap_out)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -278,5 +336,6 @@ class Scheduler:
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.expected_output_len += 0.1 * (request.num_output_tokens - self.expected_output_len)
         self.kv_cache.free(request)
+        self.preemptor.forget(request)
         request.status = status
         request.finished_time = self.clock()

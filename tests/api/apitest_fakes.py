@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 from deepbatch.kv_cache.manager import KVCacheManager
+from deepbatch.scheduler.preemption import Preemptor
 
 from deepbatch.engine.errors import InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -27,8 +28,9 @@ class FakeEngine:
         self.requests: dict[str, dict] = {}
         self.callers: set[str] = set()  # threads that touched engine state
         self.stats = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0, num_steps=0)
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0, running=[])
         self.kv_cache = KVCacheManager(100, 16)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0, running=[],
+                                         preemptor=Preemptor(self.kv_cache))
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
         return [1] * (1 + sum(len(str(m.get("content", ""))) for m in messages))

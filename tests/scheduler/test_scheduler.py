@@ -648,9 +648,8 @@ def test_priority_policy_keeps_a_preempted_low_priority_request_behind_higher_on
 
 # -- everything at once ----------------------------------------------------------------------
 
-
-@settings(max_examples=300, deadline=None)
-@given(
+# Small step limits and pools, and requests as (prompt, max_tokens, priority).
+STEP_SHAPES = dict(
     block_size=st.sampled_from([1, 2, 4]),
     budget=st.integers(1, 24),
     max_num_seqs=st.integers(1, 5),
@@ -666,6 +665,12 @@ def test_priority_policy_keeps_a_preempted_low_priority_request_behind_higher_on
         min_size=1,
         max_size=6,
     ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    **STEP_SHAPES,
     sampled=st.sampled_from([0, 1]),
 )
 def test_random_workloads_finish_with_exact_outputs_and_free_every_block(
