@@ -110,14 +110,14 @@ def main(argv: list[str] | None = None) -> None:
         runs = load_runs(args.results)
         result = compare(runs)
         print(format_table(result))
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=1)
         if args.plot:
             plot(runs, args.plot, args.title)
     except (OSError, ValueError, KeyError) as e:
         print(f"serve_compare: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
