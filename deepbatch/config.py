@@ -105,6 +105,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # Ranks the model is sharded over (one process each; rank 0 also runs the scheduler).
+    tensor_parallel_size: int = 1
+    # Longest any collective, or a worker's part of a step, may take before the engine is
+    # declared dead instead of hanging.
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s: must be > 0, got {self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -113,6 +128,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
     log_stats: bool = False
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -13,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from deepbatch import envs
-from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
+from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, default_device,
+                              resolve_dtype)
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class LLM:
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
         admission: str = "greedy",
+        tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
     ):
         device = device or default_device()
         config = EngineConfig(
@@ -50,6 +53,7 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            parallel=ParallelConfig(tensor_parallel_size, distributed_timeout_s),
         )
         torch.manual_seed(seed)
         self.engine = LLMEngine(config)

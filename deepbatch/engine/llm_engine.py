@@ -48,8 +48,14 @@ class LLMEngine:
         self.max_model_len = max_model_len_of(self.hf_config, config.model.max_model_len)
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
-        model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
-        self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
+        if config.parallel.tensor_parallel_size > 1:
+            from deepbatch.distributed.executor import TensorParallelExecutor
+
+            # Rank 0's shard plus worker processes behind the runner's interface.
+            self.runner = TensorParallelExecutor(config, self.source, self.hf_config, self.max_model_len)
+        else:
+            model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
+            self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
         self.runner.capture_cuda_graphs()
@@ -182,6 +188,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # -- health -----------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError once a tensor-parallel rank has failed (a no-op with one)."""
+        self.runner.check_health()
+
+    def add_fault_listener(self, callback) -> None:
+        """``callback()`` runs, on any thread, when a rank fails between steps, so a caller that
+        is idle can call ``check_health`` (the next step would raise anyway)."""
+        self.runner.add_fault_listener(callback)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers; idempotent, a no-op with one rank."""
+        self.runner.shutdown()
+
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -222,7 +243,7 @@ class LLMEngine:
         return self._collect(touched, finished_only)
 
     def _on_finished(self, r: Request) -> None:
-        self.runner.sampler.forget(r.request_id)
+        self.runner.forget(r.request_id)
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
 
