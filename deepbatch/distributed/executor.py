@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from deepbatch.config import EngineConfig
 from deepbatch.distributed.messages import ShutdownMessage, StepMessageBuilder
-from deepbatch.distributed.parallel_state import building_for, init_tensor_parallel_group
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
+                                                  loaded_key)
 from deepbatch.distributed.watchdog import WorkerWatchdog
 from deepbatch.distributed.worker import WorkerArgs, run_worker
 from deepbatch.engine.errors import EngineDeadError
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 _STORE_HOST = "127.0.0.1"
 # How long a clean shutdown waits for each worker to exit before killing it.
 _JOIN_S = 5.0
+_STARTUP_POLL_S = 0.05
 
 
 class TensorParallelExecutor:
@@ -61,9 +64,9 @@ class TensorParallelExecutor:
         self._closed = False
         self._fault_listeners: list[Callable[[], None]] = []
         self._builder = StepMessageBuilder()
-        timeout = timedelta(seconds=parallel.distributed_timeout_s)
         # Port 0: the OS picks a free port; workers learn it from their arguments.
-        self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timeout, wait_for_workers=False)
+        self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                                    wait_for_workers=False)
         ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and locks
         self._inboxes = []
         self._procs = []
@@ -77,16 +80,31 @@ class TensorParallelExecutor:
             self._inboxes.append(inbox)
             self._procs.append(proc)
         try:
-            self.group = init_tensor_parallel_group(0, size, config.device, _STORE_HOST, self._store.port,
-                                                    parallel.distributed_timeout_s, store=self._store)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            self._await_workers(joined_key, deadline)
+            self.group = init_tensor_parallel_group(0, size, config.device, self._store, parallel.distributed_timeout_s)
             with building_for(self.group):
                 model = build_model(config.model, source, hf_config, config.device, max_model_len)
             self.runner = ModelRunner(config, model, hf_config, max_model_len)
+            self._store.set(loaded_key(0), "1")
+            self._await_workers(loaded_key, deadline)
         except BaseException:
             self._kill_workers()
             raise
         self._watchdog = WorkerWatchdog(self._procs, self._on_worker_exit)
         logger.info("tensor parallel: %d ranks over %s", size, type(self.group.process_group).__name__)
+
+    def _await_workers(self, key_of: Callable[[int], str], deadline: float) -> None:
+        """Wait until every worker has set its key, failing as soon as one has exited."""
+        keys = [key_of(rank) for rank in range(1, len(self._procs) + 1)]
+        while not self._store.check(keys):
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited during start-up "
+                                       f"(exit code {proc.exitcode}); its log says why")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(_STARTUP_POLL_S)
 
     # -- what the engine reads of a runner ----------------------------------------------------
 

@@ -83,17 +83,30 @@ def building_for(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
         _current = prev
 
 
+# Start-up (spawning, imports, reading a checkpoint) can take minutes and differ between ranks, so
+# it is bounded apart from the step timeout: ranks meet at store keys (``joined_key`` once a
+# worker reaches the store, ``loaded_key`` once a rank holds its shard) before any collective,
+# and rank 0 checks that the workers are alive while it waits.
+STARTUP_TIMEOUT_S = 900.0
+
+
+def joined_key(rank: int) -> str:
+    return f"deepbatch/joined/{rank}"
+
+
+def loaded_key(rank: int) -> str:
+    return f"deepbatch/loaded/{rank}"
+
+
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_tensor_parallel_group(rank: int, world_size: int, device: str, store_host: str, store_port: int,
-                               timeout_s: float, store: dist.Store | None = None) -> TensorParallelGroup:
-    """Join the group (blocks until all ``world_size`` ranks have joined, at most ``timeout_s``).
-    Rank 0 passes the store it created; the others connect to ``store_host:store_port``."""
+def init_tensor_parallel_group(rank: int, world_size: int, device: str, store: dist.Store,
+                               timeout_s: float) -> TensorParallelGroup:
+    """Join the group over ``store`` (blocks until all ``world_size`` ranks have joined, for as
+    long as the store's own timeout allows); collectives then time out after ``timeout_s``."""
     timeout = timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(store_host, store_port, world_size, False, timeout=timeout)
     if backend_for(device) == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:

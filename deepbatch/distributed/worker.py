@@ -17,13 +17,17 @@ import queue
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
 from deepbatch import envs
 from deepbatch.config import EngineConfig
 from deepbatch.distributed.messages import RequestMirror, ShutdownMessage, StepMessage
-from deepbatch.distributed.parallel_state import building_for, init_tensor_parallel_group
+import torch.distributed as dist
+
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
+                                                  loaded_key)
 from deepbatch.models.loader import ModelSource, build_model
 from deepbatch.runner.model_runner import ModelRunner
 
@@ -69,10 +73,15 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     torch.manual_seed(config.model.seed)
     parallel = config.parallel
-    group = init_tensor_parallel_group(args.rank, args.world_size, config.device, args.store_host, args.store_port,
-                                       parallel.distributed_timeout_s)
+    # The store lives in rank 0's process: if rank 0 goes away, waiting on it fails at once.
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(joined_key(args.rank), "1")
+    group = init_tensor_parallel_group(args.rank, args.world_size, config.device, store, parallel.distributed_timeout_s)
     with building_for(group):
         model = build_model(config.model, args.source, args.hf_config, config.device, args.max_model_len)
+    store.set(loaded_key(args.rank), "1")
+    store.wait([loaded_key(0)])  # the first collective follows: start it once rank 0 is ready too
     runner = ModelRunner(config, model, args.hf_config, args.max_model_len)
     runner.init_kv_cache(group.all_reduce_min(runner.profile_num_blocks()))
     mirror = RequestMirror()
