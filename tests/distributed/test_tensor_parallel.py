@@ -5,9 +5,12 @@ varied length, chunked prefill beside decodes, and preemption."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 
 from deepbatch import LLM, SamplingParams
+from deepbatch.runner.model_runner import ModelRunner
 from test_hf_parity import MAX_TOKENS, hf_greedy, make_prompts
 
 PROMPTS = make_prompts(6)  # 3 to 64 tokens
@@ -32,7 +35,8 @@ def greedy(path: str, tp: int, **kwargs) -> tuple[list[list[int]], LLM]:
 def test_tp2_greedy_matches_tp1_and_hf(tp_checkpoints, arch):
     path = tp_checkpoints[arch]
     kwargs = CASES[arch]
-    tp1, _ = greedy(path, 1, **kwargs)
+    tp1, llm1 = greedy(path, 1, **kwargs)
+    assert type(llm1.engine.runner) is ModelRunner and not multiprocessing.active_children()  # TP=1: one process
     tp2, llm = greedy(path, 2, **kwargs)
     try:
         assert tp2 == tp1
@@ -51,3 +55,16 @@ def test_tp2_greedy_matches_tp1_and_hf(tp_checkpoints, arch):
     finally:
         llm.engine.shutdown()
     assert not any(p.is_alive() for p in llm.engine.runner._procs)
+
+
+def test_flags_reach_the_frozen_config():
+    from deepbatch.cli import build_parser, engine_config_from_args
+    from deepbatch.config import ParallelConfig
+
+    args = build_parser().parse_args(["generate", "hi", "--tensor-parallel-size", "2", "--distributed-timeout-s", "7"])
+    assert engine_config_from_args(args).parallel == ParallelConfig(2, 7.0)
+    assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).parallel == ParallelConfig(1, 60.0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ParallelConfig(0)
+    with pytest.raises(ValueError, match="distributed_timeout_s"):
+        ParallelConfig(2, 0)
