@@ -121,16 +121,23 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(Linear):
     """Rank r holds input columns ``[r*in/N, (r+1)*in/N)`` and takes that slice of the input;
-    the partial products are all-reduced, then the (whole, unsplit) bias is added once."""
+    the partial products are all-reduced, then the (whole, unsplit) bias is added once. With
+    ``reduce_results=False`` the caller reduces (to fold several partial sums into one
+    all-reduce); the bias is then added on rank 0 only, so the sum still counts it once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True):
         self.tp: TensorParallelGroup = current_tp_group()
+        self.reduce_results = reduce_results
         super().__init__(self.tp.split(in_features, "input features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.is_single:
             return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        elif self.tp.rank != 0:
+            return y
         return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:

@@ -13,10 +13,11 @@ from deepbatch.layers.linear import MergedColumnParallelLinear, RowParallelLinea
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce_results: bool = True):
+        """``reduce_results=False``: return this rank's partial sum (the caller all-reduces)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

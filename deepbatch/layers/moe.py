@@ -81,9 +81,9 @@ class FusedMoE(nn.Module):
     (``experts.{e}.gate_proj.weight`` ...); ``weight_loader`` copies one into its slice.
 
     Under tensor parallelism every rank holds every expert, each cut to ``I / N`` of its
-    intermediate dim (gate and up rows, down columns): routing is replicated, each rank's
-    ``down`` yields a partial sum, and one all-reduce completes it. ``self.intermediate`` is
-    this rank's share."""
+    intermediate dim (gate and up rows, down columns): routing is replicated and ``forward``
+    returns this rank's partial sum, which ``DeepseekMoE`` all-reduces. ``self.intermediate``
+    is this rank's share."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -121,25 +121,26 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton is not None:
-            out = fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        else:
-            out = fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return self.tp.all_reduce(out)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 class DeepseekMoE(nn.Module):
     """Router + routed experts + shared experts. ``shared_experts`` is a gated MLP of
-    ``n_shared_experts * moe_intermediate_size`` built by the model (or None)."""
+    ``n_shared_experts * moe_intermediate_size`` built by the model (or None) with
+    ``reduce_results=False``: under tensor parallelism the routed and the shared partial sums are
+    added first and all-reduced once."""
 
     def __init__(self, router: TopKRouter, hidden: int, intermediate: int, shared_experts: nn.Module | None):
         super().__init__()
         self.gate = router
         self.experts = FusedMoE(router.num_experts, hidden, intermediate)
         self.shared_experts = shared_experts
+        self.tp = current_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -39,7 +39,8 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         # in every released checkpoint and transformers ignores it).
         if layer_idx >= config.first_k_dense_replace:
             moe_i = config.moe_intermediate_size
-            shared = GatedMLP(hidden, moe_i * config.n_shared_experts) if config.n_shared_experts else None
+            shared = (GatedMLP(hidden, moe_i * config.n_shared_experts, reduce_results=False)
+                      if config.n_shared_experts else None)
             router = TopKRouter(hidden, config.n_routed_experts, config.num_experts_per_tok, **router_kwargs)
             self.mlp = DeepseekMoE(router, hidden, moe_i, shared)
         else:

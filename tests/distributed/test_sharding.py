@@ -29,13 +29,14 @@ def test_column_then_row_parallel_sums_to_the_full_product():
     partial = []
     for rank in range(N):
         col = on_rank(rank, lambda: ColumnParallelLinear(8, 12))
-        row = on_rank(rank, lambda: RowParallelLinear(12, 5, bias=True))
+        # Unreduced, so one process can play both ranks: the test adds the partial sums.
+        row = on_rank(rank, lambda: RowParallelLinear(12, 5, bias=True, reduce_results=False))
         col.weight_loader(col.weight, w1)
         row.weight_loader(row.weight, w2)
         row.weight_loader(row.bias, b2)
         torch.testing.assert_close(row.bias.data, b2)  # the bias is whole on every rank
-        partial.append(F.linear(col(x), row.weight))
-    torch.testing.assert_close(sum(partial) + b2, F.linear(F.linear(x, w1), w2, b2))
+        partial.append(row(col(x)))  # ... and added by rank 0 alone
+    torch.testing.assert_close(sum(partial), F.linear(F.linear(x, w1), w2, b2))
 
 
 def test_merged_column_parts_are_split_one_by_one():

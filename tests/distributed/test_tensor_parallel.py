@@ -1,7 +1,7 @@
 """TP=2 over gloo (two processes) gives the same greedy tokens as TP=1 and as HF transformers
 ``generate`` on the same fp32 weights, for Llama (KV heads split), Qwen3 (one KV head, replicated)
 and DeepSeek-V2 (MLA heads split, MoE experts split), through batched prefill of prompts of
-varied length, chunked prefill beside decodes, and preemption."""
+varied length, chunked prefill beside decodes, prefix-cache hits and preemption."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from deepbatch import LLM, SamplingParams
 from deepbatch.runner.model_runner import ModelRunner
-from test_hf_parity import MAX_TOKENS, hf_greedy, make_prompts
+from test_hf_parity import MAX_TOKENS, hf_greedy, make_prompts, shared_prefix_prompts
 
 PROMPTS = make_prompts(6)  # 3 to 64 tokens
 
@@ -24,11 +24,17 @@ CASES = {
 }
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def greedy(path: str, tp: int, **kwargs) -> tuple[list[list[int]], LLM]:
     llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=tp, distributed_timeout_s=30, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
+    return tokens(llm, PROMPTS), llm
 
 
 @pytest.mark.parametrize("arch", list(CASES))
@@ -50,6 +56,10 @@ def test_tp2_greedy_matches_tp1_and_hf(tp_checkpoints, arch):
             assert engine.scheduler.num_preemptions > 0
         if arch == "llama":
             assert attn.num_kv_heads == 1
+            # Prefix-cache hits: the workers reuse the blocks rank 0's cache manager hands out.
+            first, rest = shared_prefix_prompts()[:1], shared_prefix_prompts()[1:4]
+            assert tokens(llm, first) + tokens(llm, rest) == tokens(llm1, first) + tokens(llm1, rest)
+            assert engine.kv_cache.num_hit_tokens >= 48 * len(rest)
         assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
         assert engine.runner._builder._known == {}  # every finished request was dropped
     finally:

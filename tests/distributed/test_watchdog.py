@@ -20,6 +20,8 @@ from test_hf_parity import make_prompts
 TIMEOUT_S = 4.0
 # Spawning a worker and loading a model on a busy two-core machine, plus the timeout itself.
 SLACK_S = 20.0
+# How late past the moment it is due a busy machine may report the death.
+LATE_S = 4.0
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 
@@ -69,7 +71,8 @@ def test_worker_killed_mid_run(tp_checkpoints):
                     engine.step()
 
         within(TIMEOUT_S + SLACK_S, step_until_dead)
-        assert time.monotonic() - start < TIMEOUT_S + 2.0
+        elapsed = time.monotonic() - start
+        assert elapsed < TIMEOUT_S + LATE_S, f"dead after {elapsed:.1f} s"
         with pytest.raises(EngineDeadError):  # and every later step fails at once
             engine.step()
         assert_workers_ended(engine)
@@ -105,9 +108,9 @@ def test_faulty_worker_fails_in_flight_requests(tp_checkpoints, monkeypatch, mod
     try:
         elapsed = within(TIMEOUT_S + SLACK_S, lambda: asyncio.run(main()))
         if mode == "stall":  # a stall is found by a collective's timeout
-            assert TIMEOUT_S - 0.5 < elapsed < TIMEOUT_S + 3.0
+            assert TIMEOUT_S - 0.5 < elapsed < TIMEOUT_S + LATE_S, f"dead after {elapsed:.1f} s"
         else:  # an error ends the worker, which closes its connections at once
-            assert elapsed < TIMEOUT_S
+            assert elapsed < TIMEOUT_S, f"dead after {elapsed:.1f} s"
         assert len(dead_calls) == 1
         assert_workers_ended(engine)
     finally:
@@ -126,7 +129,7 @@ def test_worker_dying_while_idle_turns_the_engine_dead(tp_checkpoints):
         os.kill(engine.runner._procs[0].pid, signal.SIGKILL)
         start = time.monotonic()
         while not async_engine.is_dead:  # no request in flight: only the watchdog can notice
-            assert time.monotonic() - start < 5.0, "a dead worker went unnoticed"
+            assert time.monotonic() - start < LATE_S, "a dead worker went unnoticed"
             await asyncio.sleep(0.05)
         assert "rank 1" in str(async_engine.dead_error)
         async_engine.shutdown()
