@@ -67,11 +67,17 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (GPUs, or CPU processes over gloo)")
+    p.add_argument("--distributed-timeout-s", type=float, default=60.0,
+                   help="tensor parallel: longest a collective or a worker's step may take before the engine is "
+                        "declared dead")
 
 
 def engine_config_from_args(args: argparse.Namespace):
     """The frozen EngineConfig, built as ``LLM.__init__`` builds it."""
-    from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
+    from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                  default_device, resolve_dtype)
 
     model = getattr(args, "model_tag", None) or args.model
     device = args.device or default_device()
@@ -100,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_timeout_s),
     )
 
 

@@ -140,6 +140,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # Ranks the model is sharded over (one process each; rank 0 also runs the scheduler).
+    tensor_parallel_size: int = 1
+    # Longest any collective, or a worker's part of a step, may take before the engine is
+    # declared dead instead of hanging.
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s: must be > 0, got {self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -150,10 +165,18 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
     async_scheduling: bool | None = None
     log_stats: bool = False
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.parallel.tensor_parallel_size > 1:
+            # Workers learn each step's input ids from rank 0's message, so a token still on
+            # rank 0's device (async scheduling) or KV blocks on the host (swap) cannot reach them.
+            if self.async_scheduling:
+                raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
+            if self.cache.swap_space > 0:
+                raise ValueError("swap_space: not supported with tensor_parallel_size > 1 (preemption recomputes)")
 
 
 def default_device() -> str:

@@ -11,6 +11,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+# NVLink multicast (NVLS) collectives have hung all-reduces on some drivers; off unless the
+# operator turns it on. Set here, at import, so every process NCCL starts in inherits it.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
 
 def _int_or_none(name: str) -> Callable[[], int | None]:
     def read() -> int | None:
@@ -40,6 +44,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Testing only: the engine thread raises at its N-th model step (1-based), to exercise the
     # dead-engine path end to end. Unset in production.
     "DEEPBATCH_FAULT_INJECT_STEP": _int_or_none("DEEPBATCH_FAULT_INJECT_STEP"),
+    # Testing only: a tensor-parallel worker misbehaves at its N-th model step (1-based) in the
+    # way DEEPBATCH_FAULT_INJECT_WORKER_MODE says, to exercise the watchdog. Unset in production.
+    "DEEPBATCH_FAULT_INJECT_WORKER_STEP": _int_or_none("DEEPBATCH_FAULT_INJECT_WORKER_STEP"),
+    # "stall" (the worker sleeps instead of running the step) or "raise" (it fails the step).
+    "DEEPBATCH_FAULT_INJECT_WORKER_MODE": lambda: os.environ.get("DEEPBATCH_FAULT_INJECT_WORKER_MODE", "stall"),
     # The server's API key when --api-key is not given (keeps it out of the process list).
     "DEEPBATCH_API_KEY": lambda: os.environ.get("DEEPBATCH_API_KEY") or None,
     # Seconds between the server's throughput/occupancy log lines; 0 turns them off.

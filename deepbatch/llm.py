@@ -13,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from deepbatch import envs
-from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_device, resolve_dtype
+from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, default_device,
+                              resolve_dtype)
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class LLM:
         admission_max_delay_ms: float = 250.0,
         swap_space: float = 0.0,
         preemption_mode: str = "auto",
+        tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
     ):
         device = device or default_device()
         if admission_batch_size is None:
@@ -66,6 +69,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
+            parallel=ParallelConfig(tensor_parallel_size, distributed_timeout_s),
         )
         torch.manual_seed(seed)
         self.engine = LLMEngine(config)

@@ -14,7 +14,9 @@ only immutable engine state and runs in a thread pool, so a bad request fails sy
 before anything is queued.
 
 A step that raises kills the engine: every in-flight request gets ``EngineDeadError``, new
-requests are refused with it, and the dead callbacks run (the server exits non-zero).
+requests are refused with it, and the dead callbacks run (the server exits non-zero). A
+tensor-parallel rank that fails while the engine is idle wakes the engine thread, whose
+``check_health`` then raises the same way.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class AsyncEngine:
         self._num_waiting_tokens = 0
         self._draining = False
         self._stopping = False
+        self._faulted = False  # a rank failed between steps; the engine thread will find out
         self._dead: EngineDeadError | None = None
         self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet answered
         self._active: dict[str, RequestStream] = {}  # engine-thread side: requests in the engine
@@ -130,6 +133,9 @@ class AsyncEngine:
         self._snapshot = EngineSnapshot()
         self._num_step_calls = 0
         self._thread: threading.Thread | None = None
+        add_fault_listener = getattr(engine, "add_fault_listener", None)
+        if add_fault_listener is not None:
+            add_fault_listener(self._on_fault)
 
     @classmethod
     def from_config(cls, config, **kwargs) -> AsyncEngine:
@@ -187,6 +193,10 @@ class AsyncEngine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread is None or not self._thread.is_alive():  # no step in flight any more
+            engine_shutdown = getattr(self.engine, "shutdown", None)
+            if engine_shutdown is not None:
+                engine_shutdown()
 
     async def drain(self, timeout: float) -> int:
         """Refuse new requests, let in-flight ones finish for up to ``timeout`` seconds, then abort
@@ -278,11 +288,14 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._inbox and not has_work and not self._stopping:
+                    while not self._inbox and not has_work and not self._stopping and not self._faulted:
                         self._cond.wait()
                     if self._stopping:
                         break
                     commands, self._inbox = self._inbox, []
+                if self._faulted:
+                    self._faulted = False
+                    engine.check_health()  # raises: the engine dies below
                 outputs = self._apply(commands)
                 idle = False
                 if engine.has_unfinished_requests():
@@ -346,6 +359,11 @@ class AsyncEngine:
             if stream is not None:
                 pairs.append((stream, out))
         self._post(self._deliver, pairs)
+
+    def _on_fault(self) -> None:
+        with self._cond:
+            self._faulted = True
+            self._cond.notify()
 
     def _publish_snapshot(self) -> None:
         e = self.engine

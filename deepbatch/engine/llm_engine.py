@@ -66,8 +66,14 @@ class LLMEngine:
         self.max_model_len = max_model_len_of(self.hf_config, config.model.max_model_len)
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
-        model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
-        self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
+        if config.parallel.tensor_parallel_size > 1:
+            from deepbatch.distributed.executor import TensorParallelExecutor
+
+            # Rank 0's shard plus worker processes behind the runner's interface.
+            self.runner = TensorParallelExecutor(config, self.source, self.hf_config, self.max_model_len)
+        else:
+            model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
+            self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks()
         swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
@@ -91,7 +97,7 @@ class LLMEngine:
         self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.runner.device.type == "cuda")
+                                 else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # launched, not committed
         self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
@@ -241,6 +247,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    # -- health -----------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError once a tensor-parallel rank has failed (a no-op with one)."""
+        self.runner.check_health()
+
+    def add_fault_listener(self, callback) -> None:
+        """``callback()`` runs, on any thread, when a rank fails between steps, so a caller that
+        is idle can call ``check_health`` (the next step would raise anyway)."""
+        self.runner.add_fault_listener(callback)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers; idempotent, a no-op with one rank."""
+        self.runner.shutdown()
+
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -312,7 +333,7 @@ class LLMEngine:
             self._last_commit = now
 
     def _on_finished(self, r: Request) -> None:
-        self.runner.sampler.forget(r.request_id)
+        self.runner.forget(r.request_id)
         self._num_sync_only -= r.sampling_params.needs_penalties
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1

@@ -15,6 +15,10 @@ absorbed instead of applied to every cached token::
     out   = o_proj( (softmax(score) @ c_kv) W_UV^T ) = o_proj( softmax(score) @ v )
 
 Every step (prefill chunks and decodes alike) takes this absorbed path.
+
+Under tensor parallelism the heads are split (``q_proj``/``q_b_proj`` and ``kv_b_proj``
+column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
+``kv_a_proj_with_mqa`` and the latent cache are replicated on every rank.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import math
 import torch
 from torch import nn
 
+from deepbatch.distributed.parallel_state import current_tp_group
 from deepbatch.kernels.mla_decode import mla_attention_ref
 from deepbatch.layers.attention import AttentionBackend
-from deepbatch.layers.linear import Linear
+from deepbatch.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryEmbedding, rope_parameters
 from deepbatch.runner.forward_batch import ForwardBatch
@@ -83,7 +88,8 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        num_heads = config.num_attention_heads
+        self.num_heads = current_tp_group().split(num_heads, "num_attention_heads")  # this rank's heads
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -93,15 +99,15 @@ class MultiHeadLatentAttention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         eps = config.rms_norm_eps
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * self.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(hidden, num_heads * self.qk_head_dim)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, num_heads * self.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        self.o_proj = Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, num_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias=bias)
         self.scale = mla_softmax_scale(config)
         self.latent_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, R + P]
         self.backend: AttentionBackend = AttentionBackend()

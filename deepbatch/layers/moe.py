@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepbatch.distributed.parallel_state import current_tp_group
 from deepbatch.kernels.fused_moe import fused_moe, fused_moe_ref, triton
 
 
@@ -77,29 +78,46 @@ class TopKRouter(nn.Module):
 class FusedMoE(nn.Module):
     """Routed experts with stacked weights: ``gate_up_proj [E, 2I, H]`` (gate rows, then up) and
     ``down_proj [E, H, I]``, transformers' in-memory layout. Checkpoints name each expert apart
-    (``experts.{e}.gate_proj.weight`` ...); ``weight_loader`` copies one into its slice."""
+    (``experts.{e}.gate_proj.weight`` ...); ``weight_loader`` copies one into its slice.
+
+    Under tensor parallelism every rank holds every expert, each cut to ``I / N`` of its
+    intermediate dim (gate and up rows, down columns): routing is replicated and ``forward``
+    returns this rank's partial sum, which ``DeepseekMoE`` all-reduces. ``self.intermediate``
+    is this rank's share."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.tp = current_tp_group()
+        self.num_experts, self.intermediate = num_experts, self.tp.split(intermediate, "moe_intermediate_size")
+        local = self.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
         """``shard``: ``None`` for a whole stacked tensor, else ``(expert, "gate_proj" | "up_proj" |
         "down_proj")`` for one expert's matrix."""
         if shard is None:
             dst = param.data
+            if param is self.gate_up_proj:  # [E, 2I, H]: this rank's rows of the gate and of the up half
+                gate, up = loaded.chunk(2, 1)
+                loaded = torch.cat((self._mine(gate, 1), self._mine(up, 1)), 1)
+            else:  # down [E, H, I]
+                loaded = self._mine(loaded, 2)
         else:
             expert, part = shard
             dst = param.data[expert]
             if part == "gate_proj":
-                dst = dst[: self.intermediate]
+                dst, loaded = dst[: self.intermediate], self._mine(loaded, 0)
             elif part == "up_proj":
-                dst = dst[self.intermediate :]
+                dst, loaded = dst[self.intermediate :], self._mine(loaded, 0)
+            else:  # down [H, I]
+                loaded = self._mine(loaded, 1)
         if dst.shape != loaded.shape:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} for a slice of {tuple(dst.shape)}")
         dst.copy_(loaded)
+
+    def _mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(self.tp.world_size, dim)[self.tp.rank]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton is not None:
@@ -109,17 +127,20 @@ class FusedMoE(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Router + routed experts + shared experts. ``shared_experts`` is a gated MLP of
-    ``n_shared_experts * moe_intermediate_size`` built by the model (or None)."""
+    ``n_shared_experts * moe_intermediate_size`` built by the model (or None) with
+    ``reduce_results=False``: under tensor parallelism the routed and the shared partial sums are
+    added first and all-reduced once."""
 
     def __init__(self, router: TopKRouter, hidden: int, intermediate: int, shared_experts: nn.Module | None):
         super().__init__()
         self.gate = router
         self.experts = FusedMoE(router.num_experts, hidden, intermediate)
         self.shared_experts = shared_experts
+        self.tp = current_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
-from deepbatch.layers.linear import Linear
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.layers.moe import DeepseekMoE, TopKRouter
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
+from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -39,7 +39,8 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         # in every released checkpoint and transformers ignores it).
         if layer_idx >= config.first_k_dense_replace:
             moe_i = config.moe_intermediate_size
-            shared = GatedMLP(hidden, moe_i * config.n_shared_experts) if config.n_shared_experts else None
+            shared = (GatedMLP(hidden, moe_i * config.n_shared_experts, reduce_results=False)
+                      if config.n_shared_experts else None)
             router = TopKRouter(hidden, config.n_routed_experts, config.num_experts_per_tok, **router_kwargs)
             self.mlp = DeepseekMoE(router, hidden, moe_i, shared)
         else:
@@ -51,8 +52,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
 class DeepseekModel(DecoderStack):
     def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, router_kwargs) for i in range(config.num_hidden_layers)
         )
@@ -73,7 +73,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = DeepseekModel(config, max_position, self.router_kwargs(config), self.rope_interleave(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     @staticmethod
     def router_kwargs(config) -> dict:
@@ -95,9 +95,10 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits; None on tensor-parallel ranks other than 0."""
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return head.compute_logits(hidden)
 
     def attention_layers(self) -> list[MultiHeadLatentAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -12,10 +12,11 @@ from torch import nn
 
 from deepbatch.layers.attention import PagedAttention
 from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
-from deepbatch.layers.linear import Linear, MergedLinear
+from deepbatch.layers.linear import QKVParallelLinear, RowParallelLinear
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryAt, RotaryEmbedding
+from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
 
 
@@ -23,13 +24,15 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -61,8 +64,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class LlamaModel(DecoderStack):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -88,14 +90,15 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits; None on tensor-parallel ranks other than 0."""
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return head.compute_logits(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -247,7 +247,25 @@ class ModelRunner:
         if not sampling:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is None:  # a tensor-parallel worker: its logits went to rank 0, which samples
+            return None
         pending = self.sampler.sample(logits, sampling)
         self._last_sampled = pending.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
         return pending
+
+    # -- lifecycle (what a tensor-parallel executor adds to; trivial in one process) ---------
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its per-request state."""
+        self.sampler.forget(request_id)
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the runner can no longer run steps; in one process a
+        failing step raises by itself, so there is nothing to check."""
+
+    def add_fault_listener(self, callback) -> None:
+        """``callback()`` runs when the runner fails outside a step; one process never does."""
+
+    def shutdown(self) -> None:
+        """Release what outlives the runner (worker processes); nothing in one process."""

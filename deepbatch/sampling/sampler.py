@@ -71,6 +71,16 @@ class PendingSample:
         return self._resolved
 
 
+class ReadySample:
+    """Sampled tokens that are already on the host (a runner that waits for its step)."""
+
+    def __init__(self, out: SamplerOutput):
+        self._out = out
+
+    def resolve(self) -> SamplerOutput:
+        return self._out
+
+
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if not pin:
         return t.cpu()

@@ -1,0 +1,219 @@
+"""Rank 0 of a tensor-parallel engine: spawns the workers, holds its own model shard, and runs
+each step on all ranks. ``LLMEngine`` uses it where it would use a ``ModelRunner``.
+
+    rank 0 (engine process)                         rank r >= 1 (worker process)
+    -----------------------                         ----------------------------
+    schedule() -> SchedulerOutput
+    execute(out):
+      msg = builder.build(out)   -- queue ------>   msg = inbox.get()
+      forward(out)                <== all-reduce ==>  forward(mirror.apply(msg))
+      logits (vocab shards)       <== gather =====    logits shard
+      sample on rank 0
+    update(out, sampled)
+
+Messages travel on one ``multiprocessing`` queue per worker: ``put`` never blocks (a feeder thread
+writes the pipe), so a stalled worker cannot stall rank 0 outside a collective, and every
+collective has a timeout. Any failure (a collective that fails or times out, a worker that exits)
+makes the executor dead for good: it kills the remaining workers and every later call raises
+``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deepbatch.config import EngineConfig
+from deepbatch.distributed.messages import ShutdownMessage, StepMessageBuilder
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
+                                                  loaded_key)
+from deepbatch.distributed.watchdog import WorkerWatchdog
+from deepbatch.distributed.worker import WorkerArgs, run_worker
+from deepbatch.engine.errors import EngineDeadError
+from deepbatch.models.loader import ModelSource, build_model
+from deepbatch.runner.model_runner import ModelRunner
+from deepbatch.sampling.sampler import ReadySample, SamplerOutput
+from deepbatch.scheduler.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_STORE_HOST = "127.0.0.1"
+# How long a clean shutdown waits for each worker to exit before killing it.
+_JOIN_S = 5.0
+_STARTUP_POLL_S = 0.05
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
+        parallel = config.parallel
+        size = parallel.tensor_parallel_size
+        if config.device.startswith("cuda"):
+            if torch.cuda.device_count() < size:
+                raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs, "
+                                 f"found {torch.cuda.device_count()}")
+        self.config = config
+        self._lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+        self._fault_listeners: list[Callable[[], None]] = []
+        self._builder = StepMessageBuilder()
+        # Port 0: the OS picks a free port; workers learn it from their arguments.
+        self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                                    wait_for_workers=False)
+        ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and locks
+        self._inboxes = []
+        self._procs = []
+        for rank in range(1, size):
+            inbox = ctx.Queue()
+            # Never wait at exit for messages a dead worker will not read.
+            inbox.cancel_join_thread()
+            args = WorkerArgs(rank, size, _STORE_HOST, self._store.port, config, source, hf_config, max_model_len)
+            proc = ctx.Process(target=run_worker, args=(args, inbox), name=f"deepbatch-tp{rank}", daemon=True)
+            proc.start()
+            self._inboxes.append(inbox)
+            self._procs.append(proc)
+        try:
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            self._await_workers(joined_key, deadline)
+            self.group = init_tensor_parallel_group(0, size, config.device, self._store, parallel.distributed_timeout_s)
+            with building_for(self.group):
+                model = build_model(config.model, source, hf_config, config.device, max_model_len)
+            self.runner = ModelRunner(config, model, hf_config, max_model_len)
+            self._store.set(loaded_key(0), "1")
+            self._await_workers(loaded_key, deadline)
+        except BaseException:
+            self._kill_workers()
+            raise
+        self._watchdog = WorkerWatchdog(self._procs, self._on_worker_exit)
+        logger.info("tensor parallel: %d ranks over %s", size, type(self.group.process_group).__name__)
+
+    def _await_workers(self, key_of: Callable[[int], str], deadline: float) -> None:
+        """Wait until every worker has set its key, failing as soon as one has exited."""
+        keys = [key_of(rank) for rank in range(1, len(self._procs) + 1)]
+        while not self._store.check(keys):
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited during start-up "
+                                       f"(exit code {proc.exitcode}); its log says why")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(_STARTUP_POLL_S)
+
+    # -- what the engine reads of a runner ----------------------------------------------------
+
+    model = property(lambda self: self.runner.model)
+    device = property(lambda self: self.runner.device)
+    sampler = property(lambda self: self.runner.sampler)
+    block_size = property(lambda self: self.runner.block_size)
+    backend = property(lambda self: self.runner.backend)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block on one rank (each rank holds its own heads' share)."""
+        return self.runner.kv_bytes_per_block()
+
+    def profile_num_blocks(self) -> int:
+        """The smallest count any rank can hold: block ids mean the same slots on every rank."""
+        return self._guard(lambda: self.group.all_reduce_min(self.runner.profile_num_blocks()))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        """Decode graphs would capture collectives; tensor-parallel steps run eagerly."""
+
+    def forget(self, request_id: str) -> None:
+        self.runner.forget(request_id)
+        self._builder.forget(request_id)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        """Run the step on every rank; the sampled tokens (rank 0's) come back. Raises
+        ``EngineDeadError`` once any rank has failed."""
+        self.check_health()
+        msg = self._builder.build(out)
+
+        def step() -> SamplerOutput:
+            for inbox in self._inboxes:
+                inbox.put(msg)
+            return self.runner.execute(out)
+
+        return self._guard(step)
+
+    def launch(self, out: SchedulerOutput) -> ReadySample | None:
+        """``execute`` behind the engine's launch interface: tensor-parallel steps run
+        synchronously (the engine keeps async scheduling off), so the tokens come back ready."""
+        sampled = self.execute(out)
+        return ReadySample(sampled) if sampled.token_ids else None
+
+    def _guard(self, fn):
+        try:
+            return fn()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            # A failed collective leaves the ranks out of step; no later step can be trusted.
+            raise self._fail(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    # -- health -------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a rank has failed."""
+        if self._dead is not None:
+            raise self._dead
+
+    def add_fault_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on any thread) once, when the executor dies outside a step."""
+        self._fault_listeners.append(callback)
+
+    def _on_worker_exit(self, rank: int, exitcode: int | None) -> None:
+        self._fail(f"tensor-parallel worker rank {rank} exited unexpectedly (exit code {exitcode})")
+
+    def _fail(self, reason: str) -> EngineDeadError:
+        with self._lock:
+            first = self._dead is None
+            if first:
+                self._dead = EngineDeadError(reason)
+        if first:
+            logger.error("the tensor-parallel engine is dead: %s", reason)
+            self._kill_workers()
+            for callback in self._fault_listeners:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("fault listener failed")
+        return self._dead  # type: ignore[return-value]
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the workers (cleanly if they are healthy); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        if self._dead is None:
+            for inbox in self._inboxes:
+                inbox.put(ShutdownMessage())
+            for proc in self._procs:
+                proc.join(_JOIN_S)
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(_JOIN_S)
+        for inbox in self._inboxes:
+            inbox.close()

@@ -1,0 +1,124 @@
+"""The step protocol between rank 0 and the tensor-parallel workers.
+
+Rank 0 runs the scheduler; workers only mirror what a forward needs of each running request:
+its token ids, its block ids and how many of its tokens are in the cache. Each step rank 0 sends
+a ``StepMessage`` holding the difference since the last one::
+
+    request first scheduled:  all its token ids (the prompt) and all its block ids
+    every later step:         num_computed_tokens, num_new_tokens, tokens sampled since
+                              (one per decode), blocks allocated since (one per block_size tokens)
+    after preemption:         num_kept_blocks = 0, then the request's new block ids
+    finished / aborted:       its id in finished_req_ids (the mirror is dropped)
+
+``StepMessageBuilder`` (rank 0) and ``RequestMirror`` (workers) are the two ends; a mirror fed
+every message in order builds exactly the ForwardBatch rank 0 builds. Sampling stays on rank 0:
+workers need a sampled token only as the next step's input id, which the next message carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepbatch.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequestData:
+    req_id: str
+    num_computed_tokens: int  # tokens already in the cache, where this step's chunk starts
+    num_new_tokens: int
+    new_token_ids: list[int]  # token ids the workers have not seen (appended to the mirror)
+    num_kept_blocks: int  # the mirror's block ids past this many are stale (0 after preemption)
+    new_block_ids: list[int]  # appended after truncating to num_kept_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    step: int  # 1-based; lets a worker check it missed nothing
+    scheduled: list[ScheduledRequestData]
+    finished_req_ids: list[str]  # applied before ``scheduled`` (an id may be reused afterwards)
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownMessage:
+    """Leave the step loop and exit 0."""
+
+
+class StepMessageBuilder:
+    """Rank 0's record of what the workers know of each request."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[int, int]] = {}  # req id -> (token ids sent, block ids sent)
+        self._finished: list[str] = []
+        self._step = 0
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was aborted: the next message tells the workers to drop it."""
+        if self._known.pop(req_id, None) is not None:
+            self._finished.append(req_id)
+
+    def build(self, out: SchedulerOutput) -> StepMessage:
+        known = self._known
+        for r in out.preempted:  # its blocks went back to the pool; new ones will be sent
+            if r.request_id in known:
+                known[r.request_id] = (known[r.request_id][0], 0)
+        scheduled = []
+        for s in out.scheduled:
+            r = s.request
+            num_tokens, num_blocks = known.get(r.request_id, (0, 0))
+            scheduled.append(ScheduledRequestData(
+                r.request_id, r.num_computed_tokens, s.num_new_tokens, r.all_token_ids[num_tokens:],
+                num_blocks, r.block_ids[num_blocks:],
+            ))
+            known[r.request_id] = (r.num_tokens, len(r.block_ids))
+        self._step += 1
+        finished, self._finished = self._finished, []
+        return StepMessage(self._step, scheduled, finished)
+
+
+class _MirroredRequest:
+    """The fields of a Request that ``ModelRunner.build_batch`` reads."""
+
+    __slots__ = ("request_id", "all_token_ids", "block_ids", "num_computed_tokens")
+
+    def __init__(self, req_id: str):
+        self.request_id = req_id
+        self.all_token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class RequestMirror:
+    """A worker's view of the running requests, advanced by each ``StepMessage``."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _MirroredRequest] = {}
+        self._step = 0
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def apply(self, msg: StepMessage) -> SchedulerOutput:
+        """Advance the mirror; returns the step as a SchedulerOutput over mirrored requests."""
+        if msg.step != self._step + 1:
+            raise RuntimeError(f"step message {msg.step} after {self._step}: the worker lost a message")
+        self._step = msg.step
+        for req_id in msg.finished_req_ids:
+            self._requests.pop(req_id, None)
+        scheduled = []
+        for d in msg.scheduled:
+            r = self._requests.get(d.req_id)
+            if r is None:
+                r = self._requests[d.req_id] = _MirroredRequest(d.req_id)
+            r.all_token_ids.extend(d.new_token_ids)
+            if d.num_kept_blocks > len(r.block_ids):
+                raise RuntimeError(f"request {d.req_id!r}: keeps {d.num_kept_blocks} blocks of {len(r.block_ids)}")
+            del r.block_ids[d.num_kept_blocks:]
+            r.block_ids.extend(d.new_block_ids)
+            r.num_computed_tokens = d.num_computed_tokens
+            scheduled.append(ScheduledRequest(r, d.num_new_tokens))  # type: ignore[arg-type]
+        return SchedulerOutput(scheduled)

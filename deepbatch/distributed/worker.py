@@ -1,0 +1,115 @@
+"""A tensor-parallel worker: one process per rank >= 1, holding its shard of the model and of
+the KV cache, running the same forward as rank 0 on the batch each ``StepMessage`` describes.
+
+Start-up runs in lockstep with rank 0 (``TensorParallelExecutor``), collective for collective:
+join the group, build the model shard, profile the KV cache, agree on the smallest block count.
+Then the loop: wait for a message, mirror it, run the forward. The worker exits 0 on
+``ShutdownMessage`` or when rank 0's process is gone, and 1 on any error (which rank 0 sees as a
+failed collective or through its watchdog).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from deepbatch import envs
+from deepbatch.config import EngineConfig
+from deepbatch.distributed.messages import RequestMirror, ShutdownMessage, StepMessage
+import torch.distributed as dist
+
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
+                                                  loaded_key)
+from deepbatch.models.loader import ModelSource, build_model
+from deepbatch.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# How often an idle worker checks that rank 0's process still exists.
+_PARENT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    config: EngineConfig
+    source: ModelSource
+    hf_config: object
+    max_model_len: int
+
+
+def run_worker(args: WorkerArgs, inbox) -> None:
+    """Process entry point (``spawn``); ``inbox`` is the queue rank 0 puts messages on."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [tp-rank{args.rank}] %(message)s")
+    # The entry point is this process's edge: the one place it reads the environment.
+    fault = (envs.DEEPBATCH_FAULT_INJECT_WORKER_STEP, envs.DEEPBATCH_FAULT_INJECT_WORKER_MODE)
+    try:
+        _serve(args, inbox, fault)
+    except BaseException:  # noqa: BLE001 - whatever it is, rank 0 must learn of it by our exit
+        logger.exception("tensor-parallel worker rank %d failed", args.rank)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # skip interpreter teardown: a broken process group can block it
+    os._exit(0)
+
+
+def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
+    config = args.config
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(args.rank)
+    else:
+        # The ranks share the host's cores; each one using all of them only makes them contend.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    torch.manual_seed(config.model.seed)
+    parallel = config.parallel
+    # The store lives in rank 0's process: if rank 0 goes away, waiting on it fails at once.
+    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(joined_key(args.rank), "1")
+    group = init_tensor_parallel_group(args.rank, args.world_size, config.device, store, parallel.distributed_timeout_s)
+    with building_for(group):
+        model = build_model(config.model, args.source, args.hf_config, config.device, args.max_model_len)
+    store.set(loaded_key(args.rank), "1")
+    store.wait([loaded_key(0)])  # the first collective follows: start it once rank 0 is ready too
+    runner = ModelRunner(config, model, args.hf_config, args.max_model_len)
+    runner.init_kv_cache(group.all_reduce_min(runner.profile_num_blocks()))
+    mirror = RequestMirror()
+    parent = multiprocessing.parent_process()
+    while True:
+        msg = _next_message(inbox, parent)
+        if msg is None or isinstance(msg, ShutdownMessage):
+            return
+        if not isinstance(msg, StepMessage):
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+        if msg.step == fault[0]:
+            _inject_fault(args.rank, fault[1])
+        runner.execute(mirror.apply(msg))
+
+
+def _next_message(inbox, parent):
+    """The next message, or None once rank 0's process is gone (nobody will send one)."""
+    while True:
+        try:
+            return inbox.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
+
+
+def _inject_fault(rank: int, mode: str) -> None:
+    """Testing only: fail the step, or stall it past any timeout."""
+    if mode == "raise":
+        raise RuntimeError(f"injected fault in tensor-parallel worker rank {rank}")
+    logger.warning("injected stall in tensor-parallel worker rank %d", rank)
+    time.sleep(3600)
