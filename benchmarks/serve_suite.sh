@@ -18,7 +18,8 @@ FIXED=${FIXED:-"256:8192 64:2048"}       # fixed settings (max_num_seqs:max_num_
 SERVE=(python3 -m deepbatch.cli serve "$MODEL" --port "$PORT" --max-model-len 8192 --max-queued-requests 0)
 BENCH=(python3 -m deepbatch.bench.serve --base-url "http://127.0.0.1:$PORT" --disable-tqdm --seed 0 --vocab-size "${VOCAB:-32000}")
 PID=
-python3 -c "import fastapi, uvicorn, prometheus_client, httpx" ||
+python3 -c "import importlib.util as u, sys, fastapi, uvicorn, prometheus_client
+sys.exit(0 if u.find_spec('httpx') or u.find_spec('httpx2') else 1)" ||
   { echo "the server and the load generator need: pip install -e '.[serve,bench]'"; exit 1; }
 
 get() {  # get PATH: the body of a GET on the server (no curl needed)
