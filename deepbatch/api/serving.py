@@ -271,7 +271,10 @@ class OpenAIServing:
         text = c.text[st.text_len:end]
         new_tokens = c.token_ids[st.num_tokens:]
         new_logprobs = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
-        if not text and not prefix and not c.finished and not (new_logprobs and new_tokens):
+        # A chunk per step that produced tokens, even when no text is ready yet (held back for a
+        # stop string, an incomplete character, a model without a tokenizer): clients time
+        # tokens by chunks, as with vLLM.
+        if not text and not prefix and not c.finished and not new_tokens:
             return None
         offset = st.text_len
         st.text_len = max(st.text_len, end)
