@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from deepbatch.engine.async_engine import AsyncEngine, EngineSnapshot
+from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine.snapshot import EngineSnapshot
 from deepbatch.engine.outputs import RequestOutput
 
 logger = logging.getLogger("deepbatch.stats")

@@ -35,9 +35,7 @@ from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
 from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.sampling_params import SamplingParams
-from deepbatch.kv_cache.manager import KVCacheStats
-from deepbatch.metrics.allocator import AllocatorView, gpu_allocator_view
-from deepbatch.scheduler.preemption import RECOMPUTE, SWAP
+from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot, waiting_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -53,36 +51,6 @@ class QueueFullError(RuntimeError):
 
 class EngineDrainingError(RuntimeError):
     """The engine is draining for shutdown and accepts no new requests."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine counters, copied by the engine thread after each iteration so that readers on other
-    threads never touch scheduler state."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # tokens found there
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens computed (prefix hits excluded, recompute included)
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    # KV accounting (``KVCacheManager.stats``), refreshed at most once a second: it walks every
-    # running request's blocks, which is too much work to repeat on every step.
-    kv_stats: KVCacheStats | None = None
-    kv_stats_time: float = 0.0
-    # The SLO controller's report (``SLOController.report``, replaced, never mutated); None when off.
-    controller: dict | None = None
-    # Preemptions by mode (they sum to num_preemptions) and the host swap pool.
-    num_preemptions_swap: int = 0
-    num_preemptions_recompute: int = 0
-    num_swapped: int = 0  # preempted requests whose KV waits in the host swap space
-    swap_blocks_total: int = 0
-    swap_free_blocks: int = 0
-    # The GPU caching allocator (None without CUDA), refreshed with kv_stats.
-    allocator: AllocatorView | None = None
 
 
 @dataclass
@@ -307,7 +275,7 @@ class AsyncEngine:
                     idle = engine.stats.num_steps == steps_before and not outputs
                 has_work = engine.has_unfinished_requests()
                 self._dispatch(outputs)
-                self._publish_snapshot()
+                self._publish_snapshot(refresh=not has_work)
                 if idle and has_work:
                     # Nothing could be scheduled (waiting on KV blocks that no step will free):
                     # wake on the next command instead of spinning.
@@ -342,7 +310,7 @@ class AsyncEngine:
             self._pending_seqs -= added
             self._pending_tokens -= added_tokens
             self._num_waiting = engine.scheduler.num_waiting
-            self._num_waiting_tokens = _waiting_tokens(engine)
+            self._num_waiting_tokens = waiting_tokens(engine)
         return outputs
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -365,31 +333,12 @@ class AsyncEngine:
             self._faulted = True
             self._cond.notify()
 
-    def _publish_snapshot(self) -> None:
+    def _publish_snapshot(self, refresh: bool = False) -> None:
         e = self.engine
-        now = time.monotonic()
-        kv_stats, kv_time = self._snapshot.kv_stats, self._snapshot.kv_stats_time
-        allocator = self._snapshot.allocator
-        if kv_stats is None or now - kv_time >= 1.0:
-            kv_stats, kv_time = e.kv_cache.stats(e.scheduler.running), now
-            allocator = gpu_allocator_view()
-        preemptor = e.scheduler.preemptor
-        host = preemptor.host_pool
-        self._snapshot = EngineSnapshot(
-            kv_stats=kv_stats, kv_stats_time=kv_time, allocator=allocator,
-            num_preemptions_swap=preemptor.num_preemptions_by_mode[SWAP],
-            num_preemptions_recompute=preemptor.num_preemptions_by_mode[RECOMPUTE], num_swapped=preemptor.num_swapped,
-            swap_blocks_total=host.num_blocks if host else 0, swap_free_blocks=host.num_free_blocks if host else 0,
-            num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
-            kv_cache_usage=e.kv_cache.usage(), prefix_cache_queries=e.kv_cache.num_queried_tokens,
-            prefix_cache_hits=e.kv_cache.num_hit_tokens, num_preemptions=e.scheduler.num_preemptions,
-            num_prompt_tokens=e.stats.num_prompt_tokens, num_generation_tokens=e.stats.num_generation_tokens,
-            num_steps=e.stats.num_steps,
-            controller=getattr(getattr(e, "controller", None), "report", None),
-        )
+        self._snapshot = take_snapshot(e, self._snapshot, refresh)
         with self._cond:
             self._num_waiting = e.scheduler.num_waiting
-            self._num_waiting_tokens = _waiting_tokens(e)
+            self._num_waiting_tokens = waiting_tokens(e)
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine step failed; the engine is dead", exc_info=exc)
@@ -438,7 +387,3 @@ class AsyncEngine:
             stream._fail(error)
             self._streams.pop(stream.request_id, None)
 
-
-def _waiting_tokens(engine) -> int:
-    """Prompt tokens (and recomputed output) the waiting requests still have to prefill."""
-    return sum(r.num_tokens - r.num_computed_tokens for r in getattr(engine.scheduler, "waiting", ()))

@@ -89,7 +89,6 @@ class LLMEngine:
         # For the controller: when each launched step's call began, and the last commit. A step's
         # duration is from the later of the two to its commit: under async scheduling that is the
         # commit-to-commit interval, and it never counts time the engine sat idle.
-        self._step_started: dict[int, float] = {}
         self._last_commit = 0.0
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
@@ -98,7 +97,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
-        self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # launched, not committed
+        # Launched, not committed: the step, its sampled tokens, when it was scheduled.
+        self._inflight: tuple[SchedulerOutput, PendingSample, float] | None = None
         self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB per block)",
@@ -280,7 +280,8 @@ class LLMEngine:
             touched[r.parent_id] = None
         pending = None
         if out.is_empty:
-            self.runner.swap_blocks(out)  # a step may preempt by swap and schedule nothing
+            if out.blocks_to_swap_out:  # a step may preempt by swap and schedule nothing
+                self.runner.swap_blocks(out)
         else:
             self.stats.num_steps += 1
             for s in out.scheduled:
@@ -288,20 +289,18 @@ class LLMEngine:
                 if r.num_computed_tokens < r.num_prompt_tokens:  # before advance: prompt tokens run now
                     self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
             pending = self.runner.launch(out)
-            if self.controller is not None:
-                self._step_started[id(out)] = started
         if not pipelined:
             self.scheduler.advance(out, pending=False)
             if pending is not None:
-                self._commit(out, pending, touched)
+                self._commit(out, pending, started, touched)
             return self._collect(touched, finished_only)
         if self._inflight is not None:
             self._commit(*self._inflight, touched)  # waits for the previous step only
         self.scheduler.advance(out, pending=True)
-        self._inflight = (out, pending) if pending is not None else None
+        self._inflight = (out, pending, started) if pending is not None else None
         return self._collect(touched, finished_only)
 
-    def _commit(self, out: SchedulerOutput, pending: PendingSample, touched: dict[str, None]) -> None:
+    def _commit(self, out: SchedulerOutput, pending: PendingSample, started: float, touched: dict[str, None]) -> None:
         """Take a launched step's sampled tokens: stop checks, detokenize, timestamps."""
         sampler_out: SamplerOutput = pending.resolve()
         sampling = [s.request for s in out.scheduled if s.samples]
@@ -328,7 +327,9 @@ class LLMEngine:
                 done.append(r)
             touched[r.parent_id] = None
         if self.controller is not None:
-            started = max(self._step_started.pop(id(out), now), self._last_commit)
+            # Under async scheduling a step's time runs from the previous commit, not from
+            # when it was scheduled (it waited behind the step before it).
+            started = max(started, self._last_commit)
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled), first_token, done)
             self._last_commit = now
 

@@ -105,9 +105,6 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        return self.sample(logits, requests).resolve()
-
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).

@@ -33,4 +33,4 @@ def test_engine_feeds_the_controller_and_outputs_are_unchanged(tiny_checkpoints,
     assert ttft is not None and ttft > 0 and tpot is not None and tpot > 0
     sched = controlled.engine.scheduler
     assert 1 <= sched.max_num_seqs <= 8 and 1 <= sched.max_num_batched_tokens <= 64
-    assert not controlled.engine._step_started  # no launch left without its commit
+    assert controlled.engine._inflight is None  # no launch left without its commit

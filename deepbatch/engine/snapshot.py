@@ -1,0 +1,78 @@
+"""Engine counters for readers on other threads (metrics, ``/stats``, queue bounds).
+
+The engine thread copies them into a frozen ``EngineSnapshot`` after each iteration; readers
+only ever see a whole snapshot and never touch scheduler state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from deepbatch.kv_cache.manager import KVCacheStats
+from deepbatch.metrics.allocator import AllocatorView, gpu_allocator_view
+from deepbatch.scheduler.preemption import RECOMPUTE, SWAP
+
+# The KV accounting and the allocator view walk every running request's blocks or the
+# allocator's segments: too much to repeat on every step.
+_SLOW_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counters, copied by the engine thread after each iteration so that readers on other
+    threads never touch scheduler state."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found there
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix hits excluded, recompute included)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    # KV accounting (``KVCacheManager.stats``), refreshed at most once a second: it walks every
+    # running request's blocks, which is too much work to repeat on every step.
+    kv_stats: KVCacheStats | None = None
+    kv_stats_time: float = 0.0
+    # The SLO controller's report (``SLOController.report``, replaced, never mutated); None when off.
+    controller: dict | None = None
+    # Preemptions by mode (they sum to num_preemptions) and the host swap pool.
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swapped: int = 0  # preempted requests whose KV waits in the host swap space
+    swap_blocks_total: int = 0
+    swap_free_blocks: int = 0
+    # The GPU caching allocator (None without CUDA), refreshed with kv_stats.
+    allocator: AllocatorView | None = None
+
+
+def take_snapshot(engine, previous: EngineSnapshot, refresh: bool = False) -> EngineSnapshot:
+    """The engine's counters now (call on the engine thread); the slow parts are carried over
+    from ``previous`` until they are ``_SLOW_REFRESH_S`` old, or ``refresh`` asks for them (an
+    engine going idle publishes no later snapshot, so its last one must be current)."""
+    now = time.monotonic()
+    kv_stats, kv_time, allocator = previous.kv_stats, previous.kv_stats_time, previous.allocator
+    if refresh or kv_stats is None or now - kv_time >= _SLOW_REFRESH_S:
+        kv_stats, kv_time = engine.kv_cache.stats(engine.scheduler.running), now
+        allocator = gpu_allocator_view()
+    scheduler, kv, stats = engine.scheduler, engine.kv_cache, engine.stats
+    preemptor = scheduler.preemptor
+    host = preemptor.host_pool
+    return EngineSnapshot(
+        kv_stats=kv_stats, kv_stats_time=kv_time, allocator=allocator,
+        num_preemptions_swap=preemptor.num_preemptions_by_mode[SWAP],
+        num_preemptions_recompute=preemptor.num_preemptions_by_mode[RECOMPUTE], num_swapped=preemptor.num_swapped,
+        swap_blocks_total=host.num_blocks if host else 0, swap_free_blocks=host.num_free_blocks if host else 0,
+        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        kv_cache_usage=kv.usage(), prefix_cache_queries=kv.num_queried_tokens, prefix_cache_hits=kv.num_hit_tokens,
+        num_preemptions=scheduler.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
+        num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps,
+        controller=getattr(getattr(engine, "controller", None), "report", None),
+    )
+
+
+def waiting_tokens(engine) -> int:
+    """Prompt tokens (and recomputed output) the waiting requests still have to prefill."""
+    return sum(r.num_tokens - r.num_computed_tokens for r in getattr(engine.scheduler, "waiting", ()))
