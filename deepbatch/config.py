@@ -170,6 +170,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
+            raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
         if self.parallel.tensor_parallel_size > 1:
             # Workers learn each step's input ids from rank 0's message, so a token still on
             # rank 0's device (async scheduling) or KV blocks on the host (swap) cannot reach them.

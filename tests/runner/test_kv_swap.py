@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepbatch import LLM, SamplingParams
-from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.scheduler.preemption import RECOMPUTE, SWAP
 
@@ -104,3 +104,14 @@ def test_a_swap_space_over_the_cgroup_limit_is_refused(tiny_checkpoints, tmp_pat
     monkeypatch.setattr(doctor, "cgroup_memory", lambda root=str(tmp_path): real(root))
     with pytest.raises(ValueError, match="cgroup v2 memory limit"):
         generate(tiny_checkpoints["llama"], 20, swap_space=0.25, rates=SWAP_WINS)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheduler=SchedulerConfig(preemption_mode="swap")), "preemption_mode: 'swap' needs a swap space"),
+    (dict(cache=CacheConfig(swap_space=1.0), parallel=ParallelConfig(tensor_parallel_size=2)), "swap_space: not supported"),
+    (dict(async_scheduling=True, parallel=ParallelConfig(tensor_parallel_size=2)), "async_scheduling: not supported"),
+])
+def test_contradictory_settings_are_refused(kwargs, message):
+    base = dict(model=ModelConfig("m", torch.float32, 256), cache=CacheConfig(), scheduler=SchedulerConfig())
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{**base, **kwargs})
