@@ -130,10 +130,14 @@ def run(args: argparse.Namespace) -> dict:
     peers = [p for p in args.peers.split(",") if p]
     if peers:
         hf = _hf_model_like(llm, device)
-        del llm, engine
+        # Every reference to the engine must go (the KV sampler wraps its step), or its KV cache
+        # keeps the GPU memory the peer needs.
+        del llm, engine, sampler, outs
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
+            logging.getLogger(__name__).info("GPU memory left to the peers: %.1f GiB allocated by torch",
+                                             torch.cuda.memory_allocated() / 2**30)
         hf = hf.to(device)
         pw = w.head(args.peer_requests) if args.peer_requests else w
         from deepbatch.bench import peers as peer_mod

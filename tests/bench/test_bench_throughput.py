@@ -39,3 +39,29 @@ def test_kv_2x_modes(tmp_path, capsys, mode, flags):
     assert mem["gpu_allocator"] is None
     text = capsys.readouterr().out
     assert "preemptions by mode: swap" in text and "KV at the end" in text
+
+
+def test_peer_runs_after_the_engine_is_released(tmp_path, monkeypatch):
+    """The HF peer runs in the same process: by then no engine (and so no KV cache) may be
+    alive, or on a GPU the peer has no memory left."""
+    import gc
+
+    from deepbatch.bench import peers
+    from deepbatch.engine.llm_engine import LLMEngine
+
+    real = peers.hf_static
+    alive = []
+
+    def hf_static(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(isinstance(o, LLMEngine) for o in gc.get_objects()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peers, "hf_static", hf_static)
+    out = tmp_path / "out.json"
+    throughput.main(BASE + ["--peers", "hf-static", "--peer-requests", "2", "--peer-batch-size", "2",
+                            "--output-json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert alive == [0]
+    assert results[1]["name"].startswith("hf-static") and "error" not in results[1]
+    assert results[1]["output_tokens"] == 2 * 256
