@@ -45,16 +45,19 @@ def test_peer_runs_after_the_engine_is_released(tmp_path, monkeypatch):
     """The HF peer runs in the same process: by then no engine (and so no KV cache) may be
     alive, or on a GPU the peer has no memory left."""
     import gc
+    import weakref
 
     from deepbatch.bench import peers
     from deepbatch.engine.llm_engine import LLMEngine
 
     real = peers.hf_static
     alive = []
+    # Engines of other tests (session fixtures) may be alive; only the benchmark's own counts.
+    before = weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, LLMEngine))
 
     def hf_static(*args, **kwargs):
         gc.collect()
-        alive.append(sum(isinstance(o, LLMEngine) for o in gc.get_objects()))
+        alive.append(sum(isinstance(o, LLMEngine) and o not in before for o in gc.get_objects()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(peers, "hf_static", hf_static)
