@@ -53,11 +53,11 @@ def test_peer_runs_after_the_engine_is_released(tmp_path, monkeypatch):
     real = peers.hf_static
     alive = []
     # Engines of other tests (session fixtures) may be alive; only the benchmark's own counts.
-    before = weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, LLMEngine))
+    before = weakref.WeakSet(o for o in gc.get_objects() if type(o) is LLMEngine)
 
     def hf_static(*args, **kwargs):
         gc.collect()
-        alive.append(sum(isinstance(o, LLMEngine) and o not in before for o in gc.get_objects()))
+        alive.append(sum(type(o) is LLMEngine and o not in before for o in gc.get_objects()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(peers, "hf_static", hf_static)
