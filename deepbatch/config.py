@@ -162,6 +162,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
+    # "full": CUDA graphs for every step, prefill chunks included; "decode": decode-only steps.
+    cuda_graph_mode: str = "full"
     # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
     async_scheduling: bool | None = None
     log_stats: bool = False
@@ -170,6 +172,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.cuda_graph_mode not in ("full", "decode"):
+            raise ValueError(f"cuda_graph_mode: must be full or decode, got {self.cuda_graph_mode!r}")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
         if self.parallel.tensor_parallel_size > 1:

@@ -37,6 +37,7 @@ class LLM:
         device: str | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        cuda_graph_mode: str = "full",
         async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
@@ -68,6 +69,7 @@ class LLM:
             device=device,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            cuda_graph_mode=cuda_graph_mode,
             async_scheduling=async_scheduling,
             parallel=ParallelConfig(tensor_parallel_size, distributed_timeout_s),
         )

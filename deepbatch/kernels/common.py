@@ -14,9 +14,18 @@ except ImportError:  # torch references stay usable without Triton (CPU-only ins
     triton = tl = None
 
 
-def jit(fn):
-    """``triton.jit`` when Triton is installed; else the plain function (never launched)."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
+    """``triton.jit`` when Triton is installed; else the plain function (never launched).
+
+    ``do_not_specialize`` names integer arguments that change from step to step (batch sizes,
+    lengths, block-table widths). Triton otherwise compiles a variant per value class (equal to 1,
+    divisible by 16, other): a server would stall for seconds mid-traffic the first time a batch
+    fell into a new class. Only shape constants and ``tl.constexpr`` values should pick variants."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
 
 
 def check_like(fail: Callable[[str], None], ref_name: str, ref: torch.Tensor,

@@ -52,7 +52,7 @@ def fused_moe_ref(
 
 
 
-@_jit
+@_jit(do_not_specialize=("num_pairs",))
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, N, K,

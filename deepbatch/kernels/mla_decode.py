@@ -62,7 +62,7 @@ def mla_attention_ref(
 # and, with split-KV, one of ``num_programs(2)`` contiguous ranges of the keys it can see.
 
 
-@_jit
+@_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_os", "stride_ls", "stride_bt"))
 def _mla_attention_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2e, num_seqs, num_heads, min_q_len, max_q_len,

@@ -188,7 +188,7 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
     return lo
 
 
-@_jit
+@_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_bt"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2e, num_seqs, min_q_len, max_q_len,

@@ -19,7 +19,7 @@ import torch
 from deepbatch.kernels.paged_attention import _LOG2E, _attend_kv_range, _jit, tl, triton
 
 
-@_jit
+@_jit(do_not_specialize=("num_splits", "stride_bt"))
 def _paged_decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32
@@ -74,7 +74,7 @@ def _paged_decode_split_kernel(
     tl.store(part_lse_ptr + part, lse, mask=row_valid)
 
 
-@_jit
+@_jit(do_not_specialize=("num_splits",))
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,

@@ -1,14 +1,26 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for whole steps: decode-only steps, and (``cuda_graph_mode="full"``) steps that
+carry prefill chunks.
 
-A decode-only step (every request runs one token) of batch ``B`` replays the graph captured
-for the smallest capture size ``>= B``. Inputs live in static buffers; padding rows write no KV
-(slot -1) and attend to one token, and their outputs are dropped::
+A step replays the graph captured for the smallest size that holds it. Inputs live in static
+buffers; padding writes no KV (slot -1) and its outputs are dropped.
 
-    static rows:  [ 0 .. B-1 real | B .. size-1 padding | unused up to max size ]
+Decode graphs are keyed by the batch ``B`` (one token per sequence)::
 
-All graphs share one memory pool, captured largest first so smaller ones reuse its blocks.
-Attention is captured with ``max_seq_len = max_model_len``, so kernels size their grids for the
-longest possible context and read each sequence's true length from ``seq_lens`` at run time.
+    static rows:  [ 0 .. B-1 real | B .. size-1 padding seqs (1 token, seq_len 1) | unused ]
+
+Mixed graphs are keyed by the step's token count ``T`` and always hold ``max_num_seqs``
+sequence slots. Padding tokens belong to no sequence (every padding sequence has ``q_len 0``
+and starts at ``T``), so the attention kernels skip them and never write their rows; every
+other op works row by row, so whatever those rows hold stays in them::
+
+    tokens:           [ r0 chunk | r1 | r2 chunk | ... | padding up to size ]
+    query_start_loc:  [0, q0, q0+1, ..., T, T, T, ..., T]      (max_num_seqs + 1 entries)
+
+This works because the Triton attention kernels size their grids from shapes only
+(``num_tokens // BLOCK_Q + num_seqs`` programs, the idle ones return at once) and take the tile
+shapes from ``max_query_len``, which a mixed graph fixes at its size. All graphs share one memory
+pool, captured largest first so smaller ones reuse its blocks. Attention is captured with
+``max_seq_len = max_model_len``, so kernels read each sequence's true length at run time.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Decode graph batch sizes: 1, 2, 4, 8, then every 16 up to ``max_num_seqs``."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
     sizes += list(range(16, max_num_seqs + 1, 16))
     if sizes[-1] != max_num_seqs:
@@ -31,70 +44,141 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeCudaGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device):
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Mixed graph token counts: powers of two from 16 to 256, then every 256 up to the budget.
+    A step pads to the next size, so compute-bound prefill steps waste at most 255 tokens."""
+    sizes = [s for s in (16, 32, 64, 128) if s < max_num_batched_tokens]
+    sizes += list(range(256, max_num_batched_tokens + 1, 256))
+    if not sizes or sizes[-1] != max_num_batched_tokens:
+        sizes.append(max_num_batched_tokens)
+    return sizes
+
+
+class _GraphSet:
+    """Graphs of one kind of step, their static inputs and outputs."""
+
+    def __init__(self, model, sizes: list[int], mixed: bool, max_num_seqs: int, max_blocks_per_seq: int,
+                 max_model_len: int, device: torch.device):
         self.model = model
-        self.sizes = capture_sizes(max_num_seqs)
-        self.max_size = self.sizes[-1]
+        self.sizes = sizes
+        self.mixed = mixed
         self.max_model_len = max_model_len
-        n = self.max_size
+        max_tokens = sizes[-1]
+        # A decode graph of size B holds B sequences; every mixed graph holds all the seats.
+        self.num_seq_slots = max_num_seqs if mixed else sizes[-1]
+        n, s = max_tokens, self.num_seq_slots
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        if mixed:
+            self.query_start_loc = torch.zeros(s + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        else:
+            self.query_start_loc = torch.arange(s + 1, dtype=torch.int32, device=device)
+            self.seq_lens = torch.ones(s, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(s, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _batch(self, size: int) -> ForwardBatch:
+    def batch(self, size: int) -> ForwardBatch:
+        seqs = self.num_seq_slots if self.mixed else size
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            logits_indices=self.query_start_loc[1 : size + 1].long() - 1,
-            max_query_len=1,
+            query_start_loc=self.query_start_loc[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs],
+            logits_indices=self.query_start_loc[1 : seqs + 1].long() - 1,
+            # A mixed graph takes the tile shapes of a batch with a chunk as long as the graph:
+            # the kernels then launch both their short- and long-chunk variants.
+            max_query_len=size if self.mixed else 1,
             max_seq_len=self.max_model_len,
         )
+
+    def capture(self, size: int, pool, stream: torch.cuda.Stream, warmups: int) -> None:
+        batch = self.batch(size)
+        # Warm up on a side stream (compiles kernels, settles allocator state) before capture.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                self.model(batch.input_ids, batch.positions, batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[size] = self.model(batch.input_ids, batch.positions, batch)
+        self.graphs[size] = graph
+
+    def size_for(self, batch: ForwardBatch) -> int | None:
+        n = batch.num_tokens if self.mixed else batch.num_seqs
+        if not self.graphs or n > self.sizes[-1] or batch.num_seqs > self.num_seq_slots:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        self.prepare(batch, size)
+        return self.replay(size)[: batch.num_tokens]
+
+    def replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+    def prepare(self, batch: ForwardBatch, size: int) -> None:
+        """Copy the step into the static inputs of graph ``size`` and mark the rest padding."""
+        t, b = batch.num_tokens, batch.num_seqs
+        width = batch.block_tables.shape[1]
+        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:t].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(batch.slot_mapping, non_blocking=True)
+        self.slot_mapping[t:size].fill_(-1)
+        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        if self.mixed:
+            self.query_start_loc[: b + 1].copy_(batch.query_start_loc, non_blocking=True)
+            self.query_start_loc[b + 1 :].fill_(t)  # padding sequences: q_len 0
+            self.seq_lens[b:].fill_(0)
+        else:
+            self.seq_lens[b:size].fill_(1)
+        self.block_tables[:b, :width].copy_(batch.block_tables, non_blocking=True)
+
+
+class CudaGraphs:
+    """Decode graphs and, when ``mixed``, graphs for steps that carry prefill chunks."""
+
+    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device,
+                 max_num_batched_tokens: int | None = None):
+        self.decode = _GraphSet(model, capture_sizes(max_num_seqs), False, max_num_seqs, max_blocks_per_seq,
+                                max_model_len, device)
+        self.mixed = None
+        if max_num_batched_tokens is not None:
+            self.mixed = _GraphSet(model, mixed_capture_sizes(max_num_batched_tokens), True, max_num_seqs,
+                                   max_blocks_per_seq, max_model_len, device)
 
     @torch.no_grad()
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):
-            batch = self._batch(size)
-            # Warm up on a side stream (compiles kernels, settles allocator state) before capture.
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.model(batch.input_ids, batch.positions, batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(batch.input_ids, batch.positions, batch)
-            self.graphs[size] = graph
+        # Largest first across both kinds, so that every later graph fits in the pool's blocks.
+        order = [(s, self.decode) for s in self.decode.sizes]
+        if self.mixed is not None:
+            order += [(s, self.mixed) for s in self.mixed.sizes]
+        order.sort(key=lambda x: -x[0])
+        for size, graphs in order:
+            # Decode graphs warm up twice (the first call of a shape also tunes cuBLAS); the
+            # mixed ones once: their kernels were compiled by the larger sizes before them.
+            graphs.capture(size, pool, stream, warmups=1 if graphs.mixed and size != order[0][0] else 2)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_size,
-                    time.perf_counter() - t0)
+        mixed = f" and {len(self.mixed.sizes)} mixed (up to {self.mixed.sizes[-1]} tokens)" if self.mixed else ""
+        logger.info("captured %d decode CUDA graphs (batch 1..%d)%s in %.1f s", len(self.decode.sizes),
+                    self.decode.sizes[-1], mixed, time.perf_counter() - t0)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.max_query_len == 1 and batch.num_seqs <= self.max_size and bool(self.graphs)
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states ``[B, hidden]`` of a decode-only batch."""
-        b = batch.num_seqs
-        size = next(s for s in self.sizes if s >= b)
-        width = batch.block_tables.shape[1]
-        self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:b].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(batch.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:size].fill_(-1)
-        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
-        self.seq_lens[b:size].fill_(1)
-        self.block_tables[:b, :width].copy_(batch.block_tables, non_blocking=True)
-        self.graphs[size].replay()
-        return self.outputs[size][:b]
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Hidden states ``[T, hidden]`` of the step through a graph, or None when no graph
+        holds it (the caller runs it eagerly)."""
+        graphs = self.decode if batch.max_query_len == 1 else self.mixed
+        if graphs is None:
+            return None
+        size = graphs.size_for(batch)
+        if size is None:
+            return None
+        return graphs.run(batch, size)

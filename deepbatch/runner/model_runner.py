@@ -20,7 +20,7 @@ import torch
 
 from deepbatch.config import EngineConfig
 from deepbatch.layers.attention import make_backend
-from deepbatch.runner.cuda_graph import DecodeCudaGraphs
+from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.runner.forward_batch import ForwardBatch
 from deepbatch.engine.request import PENDING_TOKEN, Request
 from deepbatch.runner.kv_swap import HostKVCache
@@ -46,7 +46,7 @@ class ModelRunner:
         self.backend = make_backend(backend)
         self.sampler = Sampler(hf_config.vocab_size, self.device)
         self.kv_caches: list[list[torch.Tensor]] = []
-        self.graphs: DecodeCudaGraphs | None = None
+        self.graphs: CudaGraphs | None = None
         # The last launched step's sampled ids, still on the device, and each sampling
         # request's row in them: a pending input token is read from there.
         self._last_sampled: torch.Tensor | None = None
@@ -147,11 +147,21 @@ class ModelRunner:
         return num_tokens / max(time.perf_counter() - t0, 1e-9)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode graphs (after the KV cache exists); a no-op on the CPU or when eager."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        """Compile the kernels, then capture step graphs (after the KV cache exists); a no-op on
+        the CPU, kernels only when eager.
+        Steps with prefill chunks get graphs too with ``cuda_graph_mode="full"``, the Triton
+        backend (the torch one reads lengths on the host) and one process (not measured with
+        tensor parallelism)."""
+        if self.device.type != "cuda":
             return
-        graphs = DecodeCudaGraphs(self.model, self.config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                                  self.max_model_len, self.device)
+        self._warm_up_kernels()
+        if self.config.enforce_eager:
+            return
+        mixed = (self.config.cuda_graph_mode == "full" and self.backend.name == "triton"
+                 and self.config.parallel.tensor_parallel_size == 1)
+        sched = self.config.scheduler
+        graphs = CudaGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
+                            max_num_batched_tokens=sched.max_num_batched_tokens if mixed else None)
         try:
             graphs.capture()
         except Exception:  # a capture failure costs speed, never correctness
@@ -159,6 +169,34 @@ class ModelRunner:
             torch.cuda.synchronize()
             return
         self.graphs = graphs
+
+    @torch.no_grad()
+    def _warm_up_kernels(self) -> None:
+        """Compile every Triton kernel variant eager steps can meet, before the first request:
+        a decode over a long context (the split-KV path), then a decode beside a prefill chunk
+        of each tile class. Compiling mid-traffic stalls a server for seconds. Nothing is written
+        to the cache (slots -1); block 0 is read as context."""
+        bs, budget = self.block_size, self.config.scheduler.max_num_batched_tokens
+        context = min(self.max_model_len, 1024)
+        for chunk in (0, 2, 8, 16, 32, 64, 512):
+            if chunk + 1 > budget or chunk > self.max_model_len:
+                continue
+            q_lens, seq_lens = ([1], [context]) if chunk == 0 else ([1, chunk], [context, chunk])
+            n = sum(q_lens)
+            width = -(-max(seq_lens) // bs)
+            batch = ForwardBatch(
+                input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+                positions=torch.cat([torch.arange(s - q, s, device=self.device) for q, s in zip(q_lens, seq_lens)]),
+                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+                query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=self.device),
+                logits_indices=torch.tensor([0], device=self.device),
+                max_query_len=max(q_lens),
+                max_seq_len=max(seq_lens),
+            )
+            self.model(batch.input_ids, batch.positions, batch)
+        torch.cuda.synchronize(self.device)
 
     def _bind(self, caches) -> None:
         for i, a in enumerate(self.attn_layers):
@@ -239,9 +277,8 @@ class ModelRunner:
         # order puts the copies after the previous launch's writes.
         self.swap_blocks(out)
         batch = self.build_batch(out)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
-        else:
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch)
         sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
         if not sampling:
