@@ -24,7 +24,8 @@ stage() {
 
 run_stage() {
   case $1 in
-    parity) stage parity 150 python3 benchmarks/gpu_parity.py --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/parity.json" ;;
+    parity) stage parity 150 python3 benchmarks/gpu_parity.py --model-config "$M/qwen3-0.6b.json" ${PARITY_RUNS:+--runs $PARITY_RUNS} \
+      --output-json "$OUT/parity.json" ;;
     kernels) stage kernels 90 python3 -m pytest -q -m gpu tests/kernels ;;
     profile-nano) stage profile-nano 90 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano --output-json "$OUT/profile-nano.json" ;;
@@ -35,6 +36,10 @@ run_stage() {
     timeline-nano-x4) stage timeline-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano-x4 --timeline --output-json "$OUT/timeline-nano-x4.json" ;;
     nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
+    nano-x4-decode-graphs) stage nano-x4-decode-graphs 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --cuda-graph-mode decode --output-json "$OUT/nano-x4-decode-graphs.json" ;;
+    parity-mla) stage parity-mla 150 python3 benchmarks/gpu_parity.py --model-config "$M/deepseek-v2-lite.json" \
+      --dtype bfloat16 --runs triton-eager,triton-graphs-full --skip-logits --output-json "$OUT/parity-mla.json" ;;
     nano-x4-sync) stage nano-x4-sync 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --no-async-scheduling --output-json "$OUT/nano-x4-sync.json" ;;
     nano-x4-peer) stage nano-x4-peer 300 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
@@ -44,7 +49,8 @@ run_stage() {
     seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" \
       --output-json "$OUT/seed-table.json" ;;
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
-      --peers hf-static --peer-requests 32 --peer-batch-size 32 --output-json "$OUT/mla-moe.json" ;;
+      --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests 16 --peer-batch-size 16 \
+      --output-json "$OUT/mla-moe.json" ;;
     kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
     kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
     kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;

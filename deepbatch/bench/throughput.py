@@ -128,6 +128,9 @@ def run(args: argparse.Namespace) -> dict:
             "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1),
             "admission": args.admission, "swap_space_gib": args.swap_space, "memory": memory}
     results = [ours]
+    # Printed now: a peer that runs out of time must not take the engine's figure with it.
+    frac = f", {n_out / dt / ceiling:.1%} of the {ceiling:,.0f} ceiling" if ceiling else ""
+    print(f"deepbatch: {w.num_requests / dt:.2f} req/s, {n_out / dt:,.0f} out tok/s in {dt:.1f} s{frac}", flush=True)
 
     peers = [p for p in args.peers.split(",") if p]
     if peers:
