@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+
+import numpy as np
 from dataclasses import dataclass
 
 
@@ -77,42 +79,22 @@ def _ridge_solve(rows: list[tuple[float, float, float, float]], free: list[int],
     square of column 2 added to its diagonal (the prior ``c = 0``) and a tiny relative ridge on
     every column so that a column that is constant or repeats another cannot make the system
     singular."""
-    k = len(free)
-    m = [[0.0] * k for _ in range(k)]
-    v = [0.0] * k
-    for row in rows:
-        y = row[3]
-        for i, ci in enumerate(free):
-            v[i] += row[ci] * y
-            for j, cj in enumerate(free):
-                m[i][j] += row[ci] * row[cj]
-    n = len(rows)
-    for i, ci in enumerate(free):
-        m[i][i] += 1e-9 * m[i][i] + 1e-30
-        if ci == 2:
-            m[i][i] += ridge * m[i][i] / n
-    sol = _solve(m, v)
-    if sol is None:
+    data = np.asarray(rows, dtype=np.float64)
+    x, y = data[:, free], data[:, 3]
+    m = x.T @ x
+    v = x.T @ y
+    diag = np.diag(m).copy()
+    m[np.diag_indices_from(m)] += 1e-9 * diag + 1e-30
+    if 2 in free:
+        i = free.index(2)
+        m[i, i] += ridge * diag[i] / len(rows)
+    try:
+        sol = np.linalg.solve(m, v)
+    except np.linalg.LinAlgError:
+        return None
+    if not np.all(np.isfinite(sol)):
         return None
     theta = [0.0, 0.0, 0.0]
     for i, ci in enumerate(free):
-        theta[ci] = sol[i]
+        theta[ci] = float(sol[i])
     return theta
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    k = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
-            return None
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                for c in range(col, k + 1):
-                    a[r][c] -= f * a[col][c]
-    out = [a[i][k] / a[i][i] for i in range(k)]
-    return out if all(math.isfinite(x) for x in out) else None
