@@ -15,6 +15,7 @@ RATES=${RATES:-10,20,40}                 # requests/s of the SLO sweep
 N=${N:-120}                              # requests per rate
 SLO_TTFT=${SLO_TTFT:-500} SLO_TPOT=${SLO_TPOT:-25}  # p99 targets, ms (controller and goodput)
 FIXED=${FIXED:-"256:8192 64:2048"}       # fixed settings (max_num_seqs:max_num_batched_tokens)
+SWEEP_ONLY=${SWEEP_ONLY:-0}              # 1: only the controller-vs-fixed sweep (no hol, tenants, static)
 SERVE=(python3 -m deepbatch.cli serve "$MODEL" --port "$PORT" --max-model-len 8192 --max-queued-requests 0)
 BENCH=(python3 -m deepbatch.bench.serve --base-url "http://127.0.0.1:$PORT" --disable-tqdm --seed 0 --vocab-size "${VOCAB:-32000}")
 PID=
@@ -60,7 +61,7 @@ if start controller --slo-ttft-ms "$SLO_TTFT" --slo-tpot-ms "$SLO_TPOT"; then
   bench slo-controller 150 "${SWEEP[@]}" --label controller
   get /v1/controller >"$OUT/controller-report.json"
   get /metrics | grep '^deepbatch:controller' >"$OUT/controller-gauges.txt"
-  bench hol-controller 50 "${HOL[@]}" --label controller
+  [ "$SWEEP_ONLY" = 1 ] || bench hol-controller 50 "${HOL[@]}" --label controller
   stop
 fi
 
@@ -71,7 +72,7 @@ for f in $FIXED; do
   seqs=${f%:*} tokens=${f#*:}
   start "fixed-$seqs-$tokens" --max-num-seqs "$seqs" --max-num-batched-tokens "$tokens" || continue
   bench "slo-fixed-$seqs-$tokens" 150 "${SWEEP[@]}" --label "fixed-$seqs-$tokens"
-  if [ "$first" = 1 ]; then
+  if [ "$first" = 1 ] && [ "$SWEEP_ONLY" != 1 ]; then
     bench hol-fcfs 50 "${HOL[@]}" --label "fixed-$seqs-$tokens"
     bench tenants-fcfs 40 --workload tenants --request-rate 12 --num-prompts 220 --random-input-len 512 --random-output-len 64
     bench continuous 40 --workload random-short --request-rate 8 --num-prompts 120
@@ -81,13 +82,13 @@ for f in $FIXED; do
 done
 
 # 3. Fair share between two tenants at a 10:1 load.
-if start fair --scheduling-policy fair; then
+if [ "$SWEEP_ONLY" != 1 ] && start fair --scheduling-policy fair; then
   bench tenants-fair 40 --workload tenants --request-rate 12 --num-prompts 220 --random-input-len 512 --random-output-len 64
   stop
 fi
 
 # 4. Static batching at the continuous run's load.
-if start static --scheduling static --static-batch-size 32; then
+if [ "$SWEEP_ONLY" != 1 ] && start static --scheduling static --static-batch-size 32; then
   bench static 60 --workload random-short --request-rate 8 --num-prompts 120
   stop
 fi
