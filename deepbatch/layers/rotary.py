@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepbatch.kernels.rotary import neox_tables, rotary, rotate_neox, triton
+
 
 def rope_parameters(config) -> dict:
     """The model's rope settings in transformers v5 form (``rope_type``, ``rope_theta``, ...)."""
@@ -52,16 +54,18 @@ class RotaryEmbedding(nn.Module):
     def at(self, positions: torch.Tensor) -> "RotaryAt":
         """The rotation at ``positions`` ([T]); every layer of a forward applies the same one,
         so the table lookup runs once per forward, not once per layer."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rot/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return RotaryAt(torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1), self.rotary_dim)
+        return RotaryAt(self.cos[positions], self.sin[positions], self.rotary_dim)  # [T, rot/2] each
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.at(positions)(q, k)
 
 
 class RotaryAt:
-    """cos/sin gathered for one forward's positions: ``[T, 1, rot]`` float32 each."""
+    """cos/sin gathered for one forward's positions: the half tables, ``[T, rot/2]`` float32 each.
+
+    On CUDA the Triton kernel reads them as they are and rotates q and k in place; elsewhere the
+    torch reference runs on ``rotate_half``'s full layout, built once per dtype and shared by
+    every layer."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int):
         self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
@@ -69,18 +73,10 @@ class RotaryAt:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hk, D]
+        if q.is_cuda and triton is not None:
+            return rotary(q, k, self.cos, self.sin, self.rotary_dim)
         cast = self._cast.get(q.dtype)
         if cast is None:
-            cast = self._cast[q.dtype] = (self.cos.to(q.dtype), self.sin.to(q.dtype))
+            cast = self._cast[q.dtype] = neox_tables(self.cos, self.sin, q.dtype)
         cos, sin = cast
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
-    # Same arithmetic order as transformers' apply_rotary_pos_emb: x*cos + rotate_half(x)*sin, in
-    # x's dtype (cos/sin come cast to it), so fp32 outputs match the reference bit for bit.
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    out = x_rot * cos + rotated * sin
-    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+        return rotate_neox(q, cos, sin, self.rotary_dim), rotate_neox(k, cos, sin, self.rotary_dim)
