@@ -1,0 +1,88 @@
+"""Decode paged-attention launch settings on the GPU: time the one-pass kernel at a decode batch
+for every (tile_n, num_warps, num_stages) and report the KV bandwidth each reaches, against the
+settings the wrapper picks today. The output says which setting to make the default.
+
+    python benchmarks/attention_sweep.py --batch 256 --context 850 --output-json sweep.json
+
+Shapes default to qwen3-0.6b (16 query / 8 KV heads, head dim 128, block 16, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from deepbatch.kernels import paged_attention as pa
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=850)
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    dev, dtype = "cuda", torch.bfloat16
+    b, ctx, hq, hkv, d, bs = args.batch, args.context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
+    blocks_per_seq = -(-ctx // bs)
+    num_blocks = b * blocks_per_seq
+    k_cache = torch.randn(num_blocks, bs, hkv, d, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    # Shuffled blocks, as a long-running pool leaves them.
+    block_tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(b, blocks_per_seq)
+    seq_lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+    qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    q = torch.randn(b, hq, d, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+    kv_bytes = b * ctx * hkv * d * 2 * k_cache.element_size()
+    small_m = max(16, 1 << (hq // hkv - 1).bit_length())
+
+    def time_it(fn, reps=50):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps * 1e3  # us
+
+    ref = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, ctx, num_kv_splits=1)
+    rows = []
+    us = time_it(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, ctx, out))
+    rows.append({"setting": "wrapper default", "us": us, "TB/s": kv_bytes / us / 1e6})
+    for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        def run():
+            pa._launch(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, out, block_m=small_m, min_q_len=0,
+                       max_q_len=pa._INT32_MAX, tile_n=tile_n, num_warps=warps, num_stages=stages)
+        try:
+            us = time_it(run)
+        except Exception as e:  # a setting that does not compile (shared memory) is reported
+            rows.append({"setting": f"tile_n={tile_n} warps={warps} stages={stages}", "error": str(e)[:120]})
+            continue
+        ok = torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        rows.append({"setting": f"tile_n={tile_n} warps={warps} stages={stages}", "us": us,
+                     "TB/s": kv_bytes / us / 1e6, "matches": ok})
+    rows.sort(key=lambda r: r.get("us", float("inf")))
+    print(f"decode batch {b}, context {ctx}, {hq}/{hkv} heads, d={d}: {kv_bytes / 1e9:.2f} GB of KV per layer call")
+    for r in rows:
+        if "us" in r:
+            print(f"{r['setting']:<34} {r['us']:>8.1f} us {r['TB/s']:>6.2f} TB/s {'' if r.get('matches', True) else 'MISMATCH'}")
+        else:
+            print(f"{r['setting']:<34} failed: {r['error']}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
