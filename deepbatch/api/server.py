@@ -197,7 +197,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if report is None:
             raise APIError(404, "the SLO controller is off; start the server with --slo-ttft-ms and/or --slo-tpot-ms",
                            code="controller_off")
-        return report
+        return report.as_dict()
 
     @app.get("/stats")
     async def stats() -> dict:

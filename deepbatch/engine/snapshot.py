@@ -7,6 +7,7 @@ only ever see a whole snapshot and never touch scheduler state.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deepbatch.kv_cache.manager import KVCacheStats
@@ -37,7 +38,7 @@ class EngineSnapshot:
     kv_stats: KVCacheStats | None = None
     kv_stats_time: float = 0.0
     # The SLO controller's report (``SLOController.report``, replaced, never mutated); None when off.
-    controller: dict | None = None
+    controller: Mapping | None = None
     # Preemptions by mode (they sum to num_preemptions) and the host swap pool.
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0

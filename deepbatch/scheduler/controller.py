@@ -23,14 +23,15 @@ is kept for that setting (smoothed, clamped to [0.5, 4]) and scales its predicti
 and by monotonicity those of settings bigger (TPOT) or smaller (TTFT) than it; an observed p99
 over a target also counts as a violation of the current setting whatever the model says.
 
-Thread-safety: every method runs on the engine thread. ``report`` is rebuilt as a new dict at
-each decision and never mutated afterwards, so other threads may read the reference.
+Thread-safety: every method runs on the engine thread. ``report`` is replaced at each decision
+by a new read-only mapping of values captured then, so other threads may read the reference.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from deepbatch.engine.request import Request
@@ -83,7 +84,7 @@ class SLOController:
         self._mean_output: float | None = None
         self.workload: Workload | None = None
         self.points: list[FrontierPoint] = []
-        self.report: dict = self._build_report("waiting for measurements")
+        self.report: ControllerReport = self._build_report("waiting for measurements")
 
     @property
     def setting(self) -> Setting:
@@ -298,36 +299,74 @@ class SLOController:
 
         return p99(self._ttft), p99(self._tpot)
 
-    def _build_report(self, reason: str) -> dict:
-        def ms(x):
-            return None if x is None else round(x * 1000.0, 3)
-
+    def _build_report(self, reason: str) -> "ControllerReport":
+        """What the controller knows now, captured as values that later steps do not change;
+        the dict is built when someone reads it (the metrics or HTTP thread), not here between
+        two steps."""
         cfg = self.scheduler.config
         s = self.setting
         ttft, tpot = self.observed_p99()
-        m, w = self.coeffs, self.workload
-        return {
-            "targets": {"ttft_p99_ms": ms(self.ttft_target_s), "tpot_p99_ms": ms(self.tpot_target_s)},
-            "settings": {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
-                         "prefill_chunk_tokens": s.prefill_chunk_tokens},
-            "limits": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens},
-            "step_time_model": None if m is None else {
-                "a_ms": m.a * 1000.0, "b_ms_per_token": m.b * 1000.0, "c_ms_per_seq": m.c * 1000.0,
-                "steps": len(self.fit.steps), "mixed_steps": self.fit.num_mixed},
-            "workload": None if w is None else {
-                "arrival_rate_rps": w.arrival_rate, "mean_prompt_tokens": w.mean_prompt_tokens,
-                "p99_prompt_tokens": w.p99_prompt_tokens, "mean_output_tokens": w.mean_output_tokens,
-                "backlog_tokens": w.backlog_tokens},
-            "observed": {"ttft_p99_ms": ms(ttft), "tpot_p99_ms": ms(tpot),
-                         "ttft_samples": len(self._ttft), "tpot_samples": len(self._tpot)},
-            "observed_ratios": [
-                {"max_num_seqs": k.max_num_seqs, "max_num_batched_tokens": k.max_num_batched_tokens,
-                 "ttft": r[1], "tpot": r[2]} for k, r in self.observed_ratios.items()],
-            "num_changes": self.num_changes,
-            "num_steps": self.num_steps,
-            "last_decision": reason,
-            "frontier": [p.as_dict() for p in self.points],
-        }
+        m, w, points = self.coeffs, self.workload, self.points
+        ratios = list(self.observed_ratios.items())
+        steps, mixed = len(self.fit.steps), self.fit.num_mixed
+        num_ttft, num_tpot = len(self._ttft), len(self._tpot)
+        num_changes, num_steps = self.num_changes, self.num_steps
+        targets = (self.ttft_target_s, self.tpot_target_s)
+
+        def build() -> dict:
+            def ms(x):
+                return None if x is None else round(x * 1000.0, 3)
+
+            return {
+                "targets": {"ttft_p99_ms": ms(targets[0]), "tpot_p99_ms": ms(targets[1])},
+                "settings": {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+                             "prefill_chunk_tokens": s.prefill_chunk_tokens},
+                "limits": {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens},
+                "step_time_model": None if m is None else {
+                    "a_ms": m.a * 1000.0, "b_ms_per_token": m.b * 1000.0, "c_ms_per_seq": m.c * 1000.0,
+                    "steps": steps, "mixed_steps": mixed},
+                "workload": None if w is None else {
+                    "arrival_rate_rps": w.arrival_rate, "mean_prompt_tokens": w.mean_prompt_tokens,
+                    "p99_prompt_tokens": w.p99_prompt_tokens, "mean_output_tokens": w.mean_output_tokens,
+                    "backlog_tokens": w.backlog_tokens},
+                "observed": {"ttft_p99_ms": ms(ttft), "tpot_p99_ms": ms(tpot),
+                             "ttft_samples": num_ttft, "tpot_samples": num_tpot},
+                "observed_ratios": [
+                    {"max_num_seqs": k.max_num_seqs, "max_num_batched_tokens": k.max_num_batched_tokens,
+                     "ttft": r[1], "tpot": r[2]} for k, r in ratios],
+                "num_changes": num_changes,
+                "num_steps": num_steps,
+                "last_decision": reason,
+                "frontier": [p.as_dict() for p in points],
+            }
+
+        return ControllerReport(build)
+
+
+class ControllerReport(Mapping):
+    """The controller's report as a read-only mapping, built on first read. Each decision makes a
+    new one from captured values, so a reader on another thread never sees it change."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build = build
+        self._data: dict | None = None
+
+    def _get(self) -> dict:
+        if self._data is None:
+            self._data = self._build()  # two threads may both build it: the same dict twice
+        return self._data
+
+    def __getitem__(self, key: str):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def as_dict(self) -> dict:
+        return self._get()
 
 
 def make_controller(scheduler) -> SLOController | None:

@@ -19,7 +19,7 @@ The fit is least squares over a sliding window of measured steps, with two guard
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 
 import numpy as np
 from dataclasses import dataclass
@@ -40,31 +40,55 @@ class StepTimeCoeffs:
 class StepTimeFit:
     def __init__(self, window: int = 2048, min_steps: int = 32, ridge: float = 1.0):
         """``window``: most recent steps kept; ``min_steps``: fewer give no fit; ``ridge``: weight
-        of the prior ``c = 0``, in units of one average step."""
+        of the prior ``c = 0``, in units of one average step.
+
+        The normal equations' sums are kept up to date as steps come and go, so a fit costs the
+        same at any window size: it runs on the engine thread between two steps, where a pass
+        over the window would show up as a late token."""
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_steps = min_steps
         self.ridge = ridge
+        self._xtx = np.zeros((3, 3))  # sum of x x^T over the window, x = (1, tokens, seqs)
+        self._xty = np.zeros(3)  # sum of x * duration
+        self.num_mixed = 0  # steps where tokens and sequences differ: the only ones that separate b from c
+        self._token_counts: Counter[int] = Counter()
+        self._since_resum = 0
 
     def observe(self, num_batched_tokens: int, num_seqs: int, duration_s: float) -> None:
-        if num_batched_tokens > 0 and num_seqs > 0 and math.isfinite(duration_s) and duration_s > 0:
-            self.steps.append((num_batched_tokens, num_seqs, duration_s))
+        if not (num_batched_tokens > 0 and num_seqs > 0 and math.isfinite(duration_s) and duration_s > 0):
+            return
+        if len(self.steps) == self.steps.maxlen:
+            self._account(*self.steps[0], sign=-1.0)
+        self.steps.append((num_batched_tokens, num_seqs, duration_s))
+        self._account(num_batched_tokens, num_seqs, duration_s, sign=1.0)
+        self._since_resum += 1
+        if self._since_resum >= (self.steps.maxlen or 4096):
+            self._resum()  # adding and removing leaves rounding behind; start again from the window
 
-    @property
-    def num_mixed(self) -> int:
-        """Steps where tokens and sequences differ: the only ones that separate ``b`` from ``c``."""
-        return sum(1 for x, s, _ in self.steps if x != s)
+    def _account(self, tokens: int, seqs: int, duration: float, sign: float) -> None:
+        x = np.array((1.0, float(tokens), float(seqs)))
+        self._xtx += sign * np.outer(x, x)
+        self._xty += sign * duration * x
+        self.num_mixed += int(sign) * (tokens != seqs)
+        self._token_counts[tokens] += int(sign)
+        if not self._token_counts[tokens]:
+            del self._token_counts[tokens]
+
+    def _resum(self) -> None:
+        data = np.asarray(self.steps, dtype=np.float64).reshape(-1, 3)
+        x = np.column_stack((np.ones(len(data)), data[:, 0], data[:, 1]))
+        self._xtx, self._xty = x.T @ x, x.T @ data[:, 2]
+        self._since_resum = 0
 
     def fit(self) -> StepTimeCoeffs | None:
         if len(self.steps) < self.min_steps:
             return None
-        xs = [float(x) for x, _, _ in self.steps]
-        if max(xs) == min(xs) and all(x == s for x, s, _ in self.steps):
+        if len(self._token_counts) == 1 and self.num_mixed == 0:
             return None  # one shape only: the intercept and the slope are not separable
-        rows = [(1.0, float(x), float(s), t) for x, s, t in self.steps]
         free = [0, 1, 2]
         # Active set for non-negativity: at most three refits.
         while free:
-            theta = _ridge_solve(rows, free, self.ridge)
+            theta = _ridge_solve(self._xtx, self._xty, len(self.steps), free, self.ridge)
             if theta is None:
                 return None
             negative = [i for i in free if theta[i] < 0]
@@ -74,20 +98,18 @@ class StepTimeFit:
         return None
 
 
-def _ridge_solve(rows: list[tuple[float, float, float, float]], free: list[int], ridge: float) -> list[float] | None:
-    """Least squares over the ``free`` columns (the others are 0), with ``ridge`` times the mean
-    square of column 2 added to its diagonal (the prior ``c = 0``) and a tiny relative ridge on
-    every column so that a column that is constant or repeats another cannot make the system
-    singular."""
-    data = np.asarray(rows, dtype=np.float64)
-    x, y = data[:, free], data[:, 3]
-    m = x.T @ x
-    v = x.T @ y
+def _ridge_solve(xtx: np.ndarray, xty: np.ndarray, n: int, free: list[int], ridge: float) -> list[float] | None:
+    """Least squares over the ``free`` columns (the others are 0) from the normal equations, with
+    ``ridge`` times the mean square of column 2 added to its diagonal (the prior ``c = 0``) and a
+    tiny relative ridge on every column so that a column that is constant or repeats another
+    cannot make the system singular."""
+    m = xtx[np.ix_(free, free)].copy()
+    v = xty[free]
     diag = np.diag(m).copy()
     m[np.diag_indices_from(m)] += 1e-9 * diag + 1e-30
     if 2 in free:
         i = free.index(2)
-        m[i, i] += ridge * diag[i] / len(rows)
+        m[i, i] += ridge * diag[i] / n
     try:
         sol = np.linalg.solve(m, v)
     except np.linalg.LinAlgError:

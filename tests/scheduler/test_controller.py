@@ -9,6 +9,8 @@ and p99 TPOT goes past the target; a cap on seats bounds the step time, at the p
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from slo_sim import StepModel, make_scheduler, p99, poisson_arrivals, simulate
@@ -73,6 +75,28 @@ def test_fit_of_decode_only_steps_charges_the_sequence_cost_to_tokens():
     assert got.b == pytest.approx(model.b + model.c, rel=1e-3)
     assert got.a == pytest.approx(model.a, rel=1e-3)
     assert got.predict(64, 64) == pytest.approx(model.duration(64, 64), rel=1e-3)
+
+
+def test_fit_over_a_sliding_window_equals_a_fit_of_the_window_alone():
+    # The running sums drop steps as the window slides; the fit must be the one of the steps
+    # still in it (a fresh fit over them), through evictions and periodic re-summing.
+    rng = random.Random(3)
+    model = StepModel()
+    sliding = StepTimeFit(window=64, min_steps=8)
+    steps = []
+    for _ in range(1000):
+        tokens, seqs = rng.randint(1, 4096), rng.randint(1, 256)
+        dt = model.duration(tokens, seqs) * rng.uniform(0.9, 1.1)
+        steps.append((tokens, seqs, dt))
+        sliding.observe(tokens, seqs, dt)
+    fresh = StepTimeFit(window=64, min_steps=8)
+    for step in steps[-64:]:
+        fresh.observe(*step)
+    assert list(sliding.steps) == steps[-64:]
+    assert sliding.num_mixed == sum(t != s for t, s, _ in steps[-64:])
+    got, want = sliding.fit(), fresh.fit()
+    for name in ("a", "b", "c"):
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-6, abs=1e-12)
 
 
 def test_fit_guards_against_too_few_or_degenerate_steps():
