@@ -174,8 +174,8 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         """Compile every Triton kernel variant eager steps can meet, before the first request:
         a decode over a long context (the split-KV path), then a decode beside a prefill chunk
-        of each tile class. Compiling mid-traffic stalls a server for seconds. Nothing is written
-        to the cache (slots -1); block 0 is read as context."""
+        of each tile class, and the sampler's. Compiling mid-traffic stalls a server for seconds.
+        Nothing is written to the cache (slots -1); block 0 is read as context."""
         bs, budget = self.block_size, self.config.scheduler.max_num_batched_tokens
         context = min(self.max_model_len, 1024)
         for chunk in (0, 2, 8, 16, 32, 64, 512):
@@ -196,6 +196,7 @@ class ModelRunner:
                 max_seq_len=max(seq_lens),
             )
             self.model(batch.input_ids, batch.positions, batch)
+        self.sampler.warm_up()
         torch.cuda.synchronize(self.device)
 
     def _bind(self, caches) -> None:

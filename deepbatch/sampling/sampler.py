@@ -5,6 +5,10 @@ logprobs (of the processed logits, before temperature) -> greedy argmax, or temp
 top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
 samples from ``p`` without a host sync; seeded requests draw their ``q`` row from their own
 generator so their output does not depend on what else is in the batch.
+
+On a GPU, a batch whose sampled rows use temperature alone (no top-k, top-p, min-p or seed) skips
+those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
+one read of the logits. Any row that needs more sends the whole batch down the torch path.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from deepbatch.engine.request import Request
+from deepbatch.kernels.common import triton
+from deepbatch.kernels.sample import counters_used, gumbel_sample
 
 
 @dataclass
@@ -90,10 +96,19 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: str | torch.device):
+    def __init__(self, vocab_size: int, device: str | torch.device, fused: bool | None = None):
+        """``fused`` picks the one-pass Gumbel-max kernel for the batches it covers: None uses it on
+        CUDA when Triton is installed, True wherever Triton runs (the interpreter on the CPU),
+        False never."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.fused = fused
         self._generators: dict[str, torch.Generator] = {}
+        # The kernel's Philox stream: the process seed (the engine seeds torch before building
+        # the runner) and a counter offset that each call moves past the counters it used. Host
+        # ints, so a step never waits on the device for its random state.
+        self._philox_seed = torch.initial_seed() % 2 ** 63
+        self._philox_offset = 0
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -122,9 +137,18 @@ class Sampler:
         all_greedy = all(p.greedy for p in params)
         if all_greedy:
             sampled = logits.argmax(dim=-1)
+        elif self._fused_covers(logits, params):
+            sampled = self._sample_fused(logits, params)
         else:
             sampled = self._sample(logits, requests)
         return PendingSample(sampled, logprobs, params)
+
+    def warm_up(self) -> None:
+        """Compile the fused kernel for float32 logits of this vocab before the first request
+        (compiling mid-traffic stalls a server); a no-op where the kernel is not used."""
+        logits = torch.zeros(1, self.vocab_size, device=self.device)
+        if self._fused_enabled(logits):
+            gumbel_sample(logits, torch.ones(1, device=self.device), self._philox_seed, 0)
 
     # -- logits processors ------------------------------------------------------------------
 
@@ -177,6 +201,26 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
     # -- sampling ---------------------------------------------------------------------------
+
+    def _fused_enabled(self, logits: torch.Tensor) -> bool:
+        return self.fused if self.fused is not None else logits.is_cuda and triton is not None
+
+    def _fused_covers(self, logits: torch.Tensor, params) -> bool:
+        """Every sampled row is plain temperature: the kernel has no top-k/top-p/min-p, and a
+        seeded row must draw from its own generator."""
+        if not self._fused_enabled(logits):
+            return False
+        vocab = logits.shape[1]
+        return all(
+            p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and p.seed is None)
+            for p in params
+        )
+
+    def _sample_fused(self, logits, params):
+        inv_temperature = self._to_device([[0.0 if p.greedy else 1.0 / p.temperature for p in params]])[0]
+        offset = self._philox_offset
+        self._philox_offset = (offset + counters_used(*logits.shape)) % 2 ** 62
+        return gumbel_sample(logits, inv_temperature, self._philox_seed, offset)
 
     def _sample(self, logits, requests):
         params = [r.sampling_params for r in requests]

@@ -1,0 +1,254 @@
+"""The Gumbel-max sampling kernel: greedy rows are torch.argmax exactly, temperature rows follow
+softmax(l / T), draws are a function of (seed, offset) alone; and the sampler uses it only for the
+batches it covers. On the CPU through the Triton interpreter (one Philox program costs tens of
+milliseconds there, so the draws below are counted in hundreds)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+import pytest
+
+pytest.importorskip("triton")
+
+import deepbatch.sampling.sampler as sampler_mod  # noqa: E402
+from deepbatch.engine.request import Request  # noqa: E402
+from deepbatch.engine.sampling_params import SamplingParams  # noqa: E402
+from deepbatch.kernels.sample import counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
+from deepbatch.sampling.sampler import Sampler  # noqa: E402
+
+NEG_INF = float("-inf")
+# Seven finite logits and one -inf; at T = 0.7 the rarest finite token has p = 0.005.
+SMALL = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, NEG_INF])
+T = 0.7
+# chi-square critical value for 6 degrees of freedom (7 finite tokens) at alpha = 1e-4. Against
+# 600 draws at T = 0.7 the statistic of a wrong temperature is expected far above it: about 110
+# with the temperature ignored (T = 1), 470 inverted (T = 1 / 0.7), thousands at T = 0.35.
+CHI2_CRIT = 27.86
+
+
+def tricky_logits(rows: int, vocab: int, dtype=torch.float32) -> torch.Tensor:
+    """Random rows with the argmax's edge cases: ties within and across tiles, -inf entries, a
+    max in the last column, a row of all -inf."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    x[:, ::7] = NEG_INF
+    x[0, 3] = x[0, vocab - 2] = 9.0  # tie across tiles: the lower index wins
+    if rows > 1:
+        x[1, 10] = x[1, 11] = 9.0  # tie within a tile
+        x[-1, vocab - 1] = 9.0
+    if rows > 2:
+        x[2] = NEG_INF  # all -inf: index 0, as torch.argmax
+    return x.to(dtype).to(DEVICE)
+
+
+def chi2(ids: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
+    """Pearson's statistic of the draws against softmax(logits / temperature) over the finite
+    tokens (a draw of a -inf token fails outright)."""
+    finite = torch.isfinite(logits)
+    counts = torch.bincount(ids.cpu(), minlength=len(logits)).double()
+    assert counts[~finite].sum() == 0, "drew a -inf token"
+    expected = torch.softmax(logits.double() / temperature, 0)[finite] * len(ids)
+    return float(((counts[finite] - expected) ** 2 / expected).sum())
+
+
+# -- greedy -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("vocab,block", [(1000, 4096), (4999, 256)], ids=["one-tile", "tiles"])
+def test_greedy_rows_are_argmax(dtype, rows, vocab, block):
+    x = tricky_logits(rows, vocab, dtype)
+    got = gumbel_sample(x, torch.zeros(rows, device=DEVICE), seed=1, offset=0, block=block)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_greedy_strided_rows():
+    x = tricky_logits(5, 3000)[:, :2500]  # a row stride wider than the vocab
+    got = gumbel_sample(x, torch.zeros(5, device=DEVICE), 1, 0, block=512)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+# -- temperature ------------------------------------------------------------------------------
+
+
+def draws(logits_row, inv_t, calls=4, rows=150, seed=5):
+    """``calls * rows`` draws of one row, each call at the next unused offset."""
+    x = logits_row.to(DEVICE).repeat(rows, 1)
+    inv = torch.full((rows,), inv_t, device=DEVICE)
+    step = counters_used(rows, x.shape[1])
+    return torch.cat([gumbel_sample(x, inv, seed, k * step, block=8) for k in range(calls)])
+
+
+def test_temperature_rows_follow_softmax():
+    ids = draws(SMALL, 1 / T)
+    assert chi2(ids, SMALL, T) < CHI2_CRIT
+    # The same check cannot pass with the temperature ignored, inverted or halved.
+    for wrong in (1.0, 1 / T, T / 2):
+        assert chi2(ids, SMALL, wrong) > CHI2_CRIT, wrong
+
+
+def test_reference_follows_softmax():
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = SMALL.to(DEVICE).repeat(600, 1)
+    ids = gumbel_sample_ref(x, torch.full((600,), 1 / T, device=DEVICE), generator=g)
+    assert chi2(ids, SMALL, T) < CHI2_CRIT
+    assert chi2(ids, SMALL, 1.0) > CHI2_CRIT
+    greedy = gumbel_sample_ref(tricky_logits(5, 1000), torch.zeros(5, device=DEVICE))
+    assert torch.equal(greedy, tricky_logits(5, 1000).argmax(dim=-1))
+
+
+def test_neg_inf_never_drawn():
+    # Three finite tokens in a row of -inf, at a temperature high enough that the noise
+    # dominates; and a row whose only finite token must always win.
+    x = torch.full((4, 1500), NEG_INF)
+    x[:3, [5, 700, 1499]] = torch.tensor([0.0, 3.0, -2.0])
+    x[3, 1234] = -50.0
+    x = x.to(DEVICE)
+    inv = torch.tensor([0.01, 1.0, 100.0, 1.0], device=DEVICE)
+    for k in range(5):
+        got = gumbel_sample(x, inv, seed=9, offset=k * counters_used(4, 1500), block=512).tolist()
+        assert all(t in (5, 700, 1499) for t in got[:3]) and got[3] == 1234
+
+
+def test_cold_temperature_is_argmax():
+    x = tricky_logits(5, 2000)
+    x[0, 1998] = x[1, 11] = 8.0  # no ties: a sampled row picks among tied tokens at random
+    x[2, 17] = 0.0  # the all -inf row gets one finite token
+    got = gumbel_sample(x, torch.full((5,), 1e4, device=DEVICE), 3, 0, block=1024)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_mixed_greedy_and_temperature():
+    x = tricky_logits(5, 3001)
+    inv = torch.tensor([0.0, 1.0, 0.0, 1 / 0.6, 0.0], device=DEVICE)
+    got = gumbel_sample(x, inv, 11, 0, block=1024)
+    greedy = inv == 0
+    assert torch.equal(got[greedy], x.argmax(dim=-1)[greedy])
+    assert ((got >= 0) & (got < 3001)).all() and torch.isfinite(x[[1, 3], got[[1, 3]]]).all()
+
+
+# -- determinism ------------------------------------------------------------------------------
+
+
+def test_draws_are_a_function_of_seed_and_offset():
+    x = torch.zeros(5, 1000, device=DEVICE)  # flat: every draw is a fresh uniform pick
+    inv = torch.ones(5, device=DEVICE)
+    a = gumbel_sample(x, inv, 42, 2 ** 40)  # past 32 bits: the counter's high word is used
+    assert torch.equal(a, gumbel_sample(x, inv, 42, 2 ** 40))
+    assert not torch.equal(a, gumbel_sample(x, inv, 42, 2 ** 40 + counters_used(5, 1000)))
+    assert not torch.equal(a, gumbel_sample(x, inv, 43, 2 ** 40))
+    # The tiling does not move the draws: one element, one counter lane.
+    assert torch.equal(a, gumbel_sample(x, inv, 42, 2 ** 40, block=64))
+
+
+def test_empty_batch():
+    got = gumbel_sample(torch.zeros(0, 100, device=DEVICE), torch.zeros(0, device=DEVICE), 0, 0)
+    assert got.shape == (0,) and got.dtype == torch.int64
+
+
+@pytest.mark.parametrize("case", ["1d", "int-dtype", "empty-vocab", "strided-last-dim", "inv-t-shape",
+                                  "inv-t-dtype", "seed", "offset", "block"])
+def test_bad_inputs_raise_value_error(case):
+    x, inv, seed, offset, block = torch.zeros(4, 64), torch.zeros(4), 0, 0, 4096
+    if case == "1d":
+        x = torch.zeros(64)
+    elif case == "int-dtype":
+        x = x.int()
+    elif case == "empty-vocab":
+        x = torch.zeros(4, 0)
+    elif case == "strided-last-dim":
+        x = torch.zeros(64, 4).t()
+    elif case == "inv-t-shape":
+        inv = torch.zeros(4, 1)
+    elif case == "inv-t-dtype":
+        inv = torch.zeros(4, dtype=torch.float16)
+    elif case == "seed":
+        seed = -1
+    elif case == "offset":
+        offset = 2 ** 62
+    elif case == "block":
+        block = 96
+    with pytest.raises(ValueError):
+        gumbel_sample(x, inv, seed, offset, block=block)
+
+
+# -- the sampler ------------------------------------------------------------------------------
+
+
+def requests(*params: SamplingParams) -> list[Request]:
+    return [Request(f"r{i}", [1, 2, 3], p, max_tokens=8) for i, p in enumerate(params)]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])  # the offset
+        return gumbel_sample(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_mod, "gumbel_sample", counting)
+    return calls
+
+
+def test_sampler_on_cpu_keeps_the_torch_path(kernel_calls):
+    sampler = Sampler(1000, "cpu")
+    logits = torch.randn(3, 1000)
+    sampler.sample(logits, requests(SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=1.0))).resolve()
+    assert kernel_calls == []
+
+
+def test_sampler_forced_kernel(kernel_calls):
+    vocab = 1000
+    sampler = Sampler(vocab, DEVICE, fused=True)
+    logits = tricky_logits(5, vocab)
+    batch = requests(SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+                     SamplingParams(temperature=0.0, seed=3), SamplingParams(temperature=1.0, top_k=vocab),
+                     SamplingParams(temperature=0.0, top_p=0.5))
+    first = sampler.sample(logits, batch)
+    ids = first.resolve().token_ids
+    assert kernel_calls == [0]
+    assert [ids[i] for i in (0, 2, 4)] == logits.argmax(dim=-1)[[0, 2, 4]].tolist()
+    assert all(0 <= ids[i] < vocab and torch.isfinite(logits[i, ids[i]]) for i in (1, 3))
+    # The next call draws from fresh counters.
+    sampler.sample(logits, batch).resolve()
+    assert kernel_calls == [0, counters_used(5, vocab)]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=50), dict(top_p=0.9), dict(min_p=0.1), dict(seed=7)],
+                         ids=["top-k", "top-p", "min-p", "seed"])
+def test_sampler_falls_back_for_rows_the_kernel_lacks(kernel_calls, params):
+    sampler = Sampler(1000, DEVICE, fused=True)
+    batch = requests(SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, **params))
+    ids = sampler.sample(torch.randn(2, 1000, device=DEVICE), batch).resolve().token_ids
+    assert kernel_calls == [] and all(0 <= t < 1000 for t in ids)
+
+
+# -- GPU --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_shape(dtype):
+    S, V = 256, 151936
+    torch.manual_seed(0)
+    x = (torch.randn(S, V, device="cuda") * 4).to(dtype)
+    x[:, ::11] = NEG_INF
+    x[0, 5] = x[0, V - 1] = 100.0
+    greedy = gumbel_sample(x, torch.zeros(S, device="cuda"), 1, 0)
+    assert torch.equal(greedy, x.argmax(dim=-1))
+    inv = torch.where(torch.arange(S, device="cuda") % 2 == 0, 0.0, 1 / 0.6)
+    mixed = gumbel_sample(x, inv, 1, 0)
+    assert torch.equal(mixed[::2], x.argmax(dim=-1)[::2])
+    assert ((mixed >= 0) & (mixed < V)).all() and torch.isfinite(x[torch.arange(S, device="cuda"), mixed].float()).all()
+    assert torch.equal(mixed, gumbel_sample(x, inv, 1, 0))
