@@ -19,7 +19,13 @@ uses :func:`counters_used` counters from ``offset``; the caller advances ``offse
 Each program reduces one tile of a row to its (max, index); a torch argmax over the few tiles of a
 row finishes it. Ties go to the lowest index, as in ``torch.argmax``. A ``-inf`` logit is never
 drawn while its row has a finite one; a row of all ``-inf`` gives index 0 (``torch.argmax``'s
-answer). NaN logits are not supported.
+answer). NaN logits are not supported; one counts as ``+inf``, so its row still gets an id inside
+the vocabulary.
+
+The tile's index is the smallest column holding its maximum: two reductions (max, then min) whose
+results do not depend on the order of the elements. A reduction that carries indices
+(``tl.max(..., return_indices=True)``) is not safe after a reshape: the compiler may let a reshape
+that only feeds reductions reorder its elements, and then the indices name other elements.
 """
 
 from __future__ import annotations
@@ -74,10 +80,15 @@ def _gumbel_max_kernel(
                      tl.where(lane == 1, u1[:, None], tl.where(lane == 2, u2[:, None], u3[:, None])))
         e = tl.clamp(-tl.log(u), 2.9802322387695312e-08, 32.0)  # [_E_MIN, _E_MAX]
         x = x * inv_t - tl.log(e)
-    best, i = tl.max(tl.reshape(x, (BLOCK,)), axis=0, return_indices=True, return_indices_tie_break_left=True)
+    # (max, first index) from order-free reductions only (see the module docstring). A NaN counts
+    # as +inf; the masked lanes (-inf, past the vocab) come after every column of the row, so they
+    # never hold the smallest index of the maximum.
+    x = tl.where(x != x, float("inf"), x)
+    best = tl.max(x)
+    i = tl.min(tl.where(x == best, cols, tile * BLOCK + BLOCK))
     out = row * tl.num_programs(1) + tile
     tl.store(best_val_ptr + out, best)
-    tl.store(best_idx_ptr + out, (tile * BLOCK + i).to(tl.int64))
+    tl.store(best_idx_ptr + out, i.to(tl.int64))
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

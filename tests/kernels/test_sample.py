@@ -4,6 +4,7 @@ batches it covers. On the CPU through the Triton interpreter (one Philox program
 milliseconds there, so the draws below are counted in hundreds)."""
 
 import os
+import re
 
 import torch
 
@@ -19,7 +20,7 @@ pytest.importorskip("triton")
 import deepbatch.sampling.sampler as sampler_mod  # noqa: E402
 from deepbatch.engine.request import Request  # noqa: E402
 from deepbatch.engine.sampling_params import SamplingParams  # noqa: E402
-from deepbatch.kernels.sample import counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
+from deepbatch.kernels.sample import _gumbel_max_kernel, counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
 from deepbatch.sampling.sampler import Sampler  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -133,6 +134,98 @@ def test_mixed_greedy_and_temperature():
     greedy = inv == 0
     assert torch.equal(got[greedy], x.argmax(dim=-1)[greedy])
     assert ((got >= 0) & (got < 3001)).all() and torch.isfinite(x[[1, 3], got[[1, 3]]]).all()
+
+
+# -- the decode vocab, every position of a tile, NaN ------------------------------------------
+
+DECODE_V = 151936  # 37 tiles of 4096 and a last one of 384: ids past V sit in its masked lanes
+
+
+def test_greedy_decode_vocab():
+    """The real vocab at the default tile: the max in each lane of the last, partial tile, a tie
+    between the first and the last tile, a row of all -inf."""
+    V = DECODE_V
+    x = torch.randn(6, V, generator=torch.Generator().manual_seed(0)) * 4
+    x[:, ::11] = NEG_INF
+    x[0, 5] = x[0, V - 1] = 100.0
+    for r, col in enumerate((V - 4, V - 3, V - 2, V - 1), start=1):
+        x[r, col] = 100.0
+    x[5] = NEG_INF
+    x = x.to(DEVICE)
+    got = gumbel_sample(x, torch.zeros(6, device=DEVICE), 1, 0)
+    assert got.tolist() == [5, V - 4, V - 3, V - 2, V - 1, 0]
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_sampled_ids_stay_in_the_vocab():
+    """Rows whose only finite logits are the last columns of the last, partial tile (its masked
+    lanes are next to them), and a flat row: every draw is a finite column below V."""
+    V = DECODE_V
+    x = torch.full((3, V), NEG_INF)
+    x[0, V - 8:] = 0.0
+    x[1, V - 3:] = torch.tensor([0.0, 1.0, 2.0])
+    x[2] = 0.0
+    x = x.to(DEVICE)
+    inv = torch.tensor([1.0, 1 / 0.6, 1.0], device=DEVICE)
+    for k in range(3):
+        got = gumbel_sample(x, inv, 5, k * counters_used(3, V))
+        assert ((got >= 0) & (got < V)).all() and torch.isfinite(x[torch.arange(3, device=DEVICE), got]).all()
+        assert got[0] >= V - 8 and got[1] >= V - 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_finds_the_max_at_every_position(dtype):
+    """Row r has its max at column r: every position of every tile, a partial last tile included.
+    On a GPU at the default tile and warps, where an index that names the wrong element shows."""
+    V, block = (300, 64) if INTERPRET else (8292, 4096)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(V, V, generator=g, device=DEVICE)
+    x.fill_diagonal_(10.0)
+    x = x.to(dtype)
+    got = gumbel_sample(x, torch.zeros(V, device=DEVICE), 1, 0, block=block)
+    assert torch.equal(got, torch.arange(V, device=DEVICE))
+    if not INTERPRET:  # thousands of Philox programs: too slow for the interpreter
+        cold = gumbel_sample(x, torch.full((V,), 1e4, device=DEVICE), 1, 0, block=block)
+        assert torch.equal(cold, torch.arange(V, device=DEVICE))
+
+
+def test_nan_logits_give_ids_inside_the_vocab():
+    """NaN logits are not supported, but they must not produce an id outside the vocabulary: a NaN
+    counts as +inf (ties to the lowest index, like any other)."""
+    x = tricky_logits(5, 3000)
+    x[0, 7] = float("nan")
+    x[1] = float("nan")
+    x[3, 2999] = float("nan")  # sampled: NaN after the scaling and the noise
+    x[4, [100, 2000]] = float("inf")  # sampled: +inf ties to the lower index
+    inv = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0], device=DEVICE)
+    got = gumbel_sample(x, inv, 2, 0, block=1024)
+    assert got.tolist() == [7, 0, x[2].argmax().item(), 2999, 100]
+
+
+def test_compiled_reductions_are_order_free():
+    """The kernel as Triton builds it for an H200 (compiling needs no GPU). Triton lets a reshape
+    that only feeds reductions reorder its elements: harmless for a max or a min, but an
+    index-carrying reduction (``tl.max(..., return_indices=True)``) after it returns positions of
+    the reordered tensor, not columns. So every reduction takes one operand; the indices come
+    from a min over the columns that hold the max."""
+    import triton
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no NVIDIA backend")
+    kernel = _gumbel_max_kernel if isinstance(_gumbel_max_kernel, JITFunction) else JITFunction(_gumbel_max_kernel.fn)
+    for dtype in ("fp32", "bf16"):
+        sig = {"logits_ptr": f"*{dtype}", "inv_temp_ptr": "*fp32", "best_val_ptr": "*fp32",
+               "best_idx_ptr": "*i64", "vocab": "i32", "stride_row": "i32", "seed": "i64", "offset": "i64",
+               "BLOCK": "constexpr"}
+        src = ASTSource(fn=kernel, signature=sig, constexprs={"BLOCK": 4096},
+                        attrs={(i,): [["tt.divisibility", 16]] for i in range(6)})
+        ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ttir"]
+        operands = re.findall(r'"tt\.reduce"\(([^)]*)\)', ttir)
+        assert operands and all("," not in ops for ops in operands), operands
 
 
 # -- determinism ------------------------------------------------------------------------------
