@@ -164,6 +164,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # "full": CUDA graphs for every step, prefill chunks included; "decode": decode-only steps.
     cuda_graph_mode: str = "full"
+    # Temperature-only batches sampled by one Triton pass over the logits (kernels/sample.py)
+    # instead of the torch ops; opt-in.
+    fused_sampler: bool = False
     # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
     async_scheduling: bool | None = None
     log_stats: bool = False

@@ -38,6 +38,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         cuda_graph_mode: str = "full",
+        fused_sampler: bool = False,
         async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
@@ -70,6 +71,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             cuda_graph_mode=cuda_graph_mode,
+            fused_sampler=fused_sampler,
             async_scheduling=async_scheduling,
             parallel=ParallelConfig(tensor_parallel_size, distributed_timeout_s),
         )

@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full")
+    p.add_argument("--fused-sampler", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")
     p.add_argument("--admission-max-delay-ms", type=float, default=250.0)
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
-              enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode,
+              enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode, fused_sampler=args.fused_sampler,
               attention_backend=args.attention_backend, max_model_len=4096,
               async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
               admission_max_delay_ms=args.admission_max_delay_ms,

@@ -44,7 +44,8 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
-        self.sampler = Sampler(hf_config.vocab_size, self.device)
+        # The one-pass sampling kernel only when asked for (``fused_sampler``); else the torch path.
+        self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None
         # The last launched step's sampled ids, still on the device, and each sampling

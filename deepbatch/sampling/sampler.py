@@ -6,8 +6,8 @@ top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ E
 samples from ``p`` without a host sync; seeded requests draw their ``q`` row from their own
 generator so their output does not depend on what else is in the batch.
 
-On a GPU, a batch whose sampled rows use temperature alone (no top-k, top-p, min-p or seed) skips
-those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
+With ``fused`` on (``--fused-sampler``), a batch on a GPU whose sampled rows use temperature alone
+(no top-k, top-p, min-p or seed) skips those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
 one read of the logits. Any row that needs more sends the whole batch down the torch path.
 """
 

@@ -345,3 +345,14 @@ def test_gpu_decode_shape(dtype):
     assert torch.equal(mixed[::2], x.argmax(dim=-1)[::2])
     assert ((mixed >= 0) & (mixed < V)).all() and torch.isfinite(x[torch.arange(S, device="cuda"), mixed].float()).all()
     assert torch.equal(mixed, gumbel_sample(x, inv, 1, 0))
+
+
+def test_engine_uses_the_kernel_only_when_asked(tiny_checkpoints):
+    from deepbatch import LLM
+
+    off = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu")
+    assert off.engine.runner.sampler.fused is False
+    on = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu", fused_sampler=True)
+    # Asked for: used on a GPU with Triton; on the CPU the torch path stays.
+    assert on.engine.runner.sampler.fused is None
+    assert not on.engine.runner.sampler._fused_enabled(torch.zeros(1, 8))
