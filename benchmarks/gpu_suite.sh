@@ -36,6 +36,9 @@ run_stage() {
     timeline-nano-x4) stage timeline-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano-x4 --timeline --output-json "$OUT/timeline-nano-x4.json" ;;
     nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
+    nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --fused-sampler --output-json "$OUT/nano-x4-fused-sampler.json" ;;
+    attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;
     nano-x4-decode-graphs) stage nano-x4-decode-graphs 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --cuda-graph-mode decode --output-json "$OUT/nano-x4-decode-graphs.json" ;;
     parity-mla) stage parity-mla 150 python3 benchmarks/gpu_parity.py --model-config "$M/deepseek-v2-lite.json" \
