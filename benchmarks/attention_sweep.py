@@ -22,6 +22,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=850)
+    ap.add_argument("--ragged", action="store_true",
+                    help="context lengths uniform in [100, 2 * context - 100] (nano-x4 mixes 200 to 2,048)")
     ap.add_argument("--num-heads", type=int, default=16)
     ap.add_argument("--num-kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -30,18 +32,22 @@ def main():
     args = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
     b, ctx, hq, hkv, d, bs = args.batch, args.context, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
-    blocks_per_seq = -(-ctx // bs)
+    max_len = 2 * ctx if args.ragged else ctx
+    blocks_per_seq = -(-max_len // bs)
     num_blocks = b * blocks_per_seq
     k_cache = torch.randn(num_blocks, bs, hkv, d, device=dev, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     # Shuffled blocks, as a long-running pool leaves them.
     block_tables = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(b, blocks_per_seq)
     seq_lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+    if args.ragged:
+        seq_lens = torch.randint(100, 2 * ctx - 100, (b,), device=dev, dtype=torch.int32,
+                                 generator=torch.Generator(dev).manual_seed(0))
     qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
     q = torch.randn(b, hq, d, device=dev, dtype=dtype)
     out = torch.empty_like(q)
     scale = d ** -0.5
-    kv_bytes = b * ctx * hkv * d * 2 * k_cache.element_size()
+    kv_bytes = int(seq_lens.sum()) * hkv * d * 2 * k_cache.element_size()
     small_m = max(16, 1 << (hq // hkv - 1).bit_length())
 
     def time_it(fn, reps=50):
@@ -56,9 +62,9 @@ def main():
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps * 1e3  # us
 
-    ref = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, ctx, num_kv_splits=1)
+    ref = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len, num_kv_splits=1)
     rows = []
-    us = time_it(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, ctx, out))
+    us = time_it(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len, out))
     rows.append({"setting": "wrapper default", "us": us, "TB/s": kv_bytes / us / 1e6})
     for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
         def run():

@@ -39,6 +39,11 @@ run_stage() {
     nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --fused-sampler --output-json "$OUT/nano-x4-fused-sampler.json" ;;
     attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;
+    attention-sweep-ragged) stage attention-sweep-ragged 120 python3 benchmarks/attention_sweep.py --ragged \
+      --output-json "$OUT/attention-sweep-ragged.json" ;;
+    profile-mla-prefill) stage profile-mla-prefill 150 python3 benchmarks/gpu_profile.py \
+      --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 0 --steps 6 \
+      --output-json "$OUT/profile-mla-prefill.json" ;;
     nano-x4-decode-graphs) stage nano-x4-decode-graphs 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --cuda-graph-mode decode --output-json "$OUT/nano-x4-decode-graphs.json" ;;
     parity-mla) stage parity-mla 150 python3 benchmarks/gpu_parity.py --model-config "$M/deepseek-v2-lite.json" \

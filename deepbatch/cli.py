@@ -67,8 +67,8 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full",
                    help="full: graphs for steps with prefill chunks too (Triton backend); decode: decode-only steps")
-    p.add_argument("--fused-sampler", action="store_true",
-                   help="sample temperature-only batches with one Triton pass over the logits (GPU)")
+    p.add_argument("--fused-sampler", action=argparse.BooleanOptionalAction, default=True,
+                   help="sample temperature-only batches with one Triton pass over the logits (GPU; default on)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default: on for CUDA)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -164,9 +164,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # "full": CUDA graphs for every step, prefill chunks included; "decode": decode-only steps.
     cuda_graph_mode: str = "full"
-    # Temperature-only batches sampled by one Triton pass over the logits (kernels/sample.py)
-    # instead of the torch ops; opt-in.
-    fused_sampler: bool = False
+    # Temperature-only batches on a GPU sampled by one Triton pass over the logits
+    # (kernels/sample.py) instead of several torch passes; False keeps the torch ops.
+    fused_sampler: bool = True
     # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
     async_scheduling: bool | None = None
     log_stats: bool = False

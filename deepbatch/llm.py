@@ -38,7 +38,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         cuda_graph_mode: str = "full",
-        fused_sampler: bool = False,
+        fused_sampler: bool = True,
         async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,

@@ -372,12 +372,16 @@ def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sc
     num_seqs = seq_lens.shape[0]
     queries_per_kv = num_heads // num_kv_heads
     block_q = block_m // queries_per_kv
+    # Decode-sized tiles of 16-bit KV stream best with long key tiles and a deep pipeline: 4.00 vs
+    # 3.69 TB/s for 256 sequences of 100..1,600 tokens, 16/8 heads, d=128 on an H200
+    # (benchmarks/attention_sweep.py --ragged). fp32 tiles that long would not fit shared memory.
+    decode_tiles = block_m <= 16 and head_dim <= 128 and query.element_size() == 2
     if tile_n is None:
-        tile_n = 64 if head_dim <= 128 else 32
+        tile_n = 128 if decode_tiles else 64 if head_dim <= 128 else 32
     if num_warps is None:
         num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
     if num_stages is None:
-        num_stages = 2
+        num_stages = 4 if decode_tiles else 2
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,

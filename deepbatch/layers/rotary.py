@@ -71,10 +71,17 @@ class RotaryAt:
         self.cos, self.sin, self.rotary_dim = cos, sin, rotary_dim
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hk, D]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated; ``q_norm``/``k_norm`` (RMSNorm modules over the
+        head dim, Qwen3's) are applied to each head first, in the same kernel on CUDA."""
         if q.is_cuda and triton is not None:
+            if q_norm is not None and self.rotary_dim == q.shape[-1] == k.shape[-1]:
+                return rotary(q, k, self.cos, self.sin, self.rotary_dim, q_norm.weight, k_norm.weight, q_norm.eps)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
             return rotary(q, k, self.cos, self.sin, self.rotary_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cast = self._cast.get(q.dtype)
         if cast is None:
             cast = self._cast[q.dtype] = neox_tables(self.cos, self.sin, q.dtype)

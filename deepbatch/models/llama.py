@@ -46,8 +46,9 @@ class LlamaAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k)
+            q, k = rope(q, k, self.q_norm, self.k_norm)  # per-head norm, then rotation
+        else:
+            q, k = rope(q, k)
         o = self.attn(q, k, v, batch)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.q_size))
 

@@ -44,7 +44,7 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
-        # The one-pass sampling kernel only when asked for (``fused_sampler``); else the torch path.
+        # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
         self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None

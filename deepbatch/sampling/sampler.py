@@ -6,7 +6,7 @@ top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ E
 samples from ``p`` without a host sync; seeded requests draw their ``q`` row from their own
 generator so their output does not depend on what else is in the batch.
 
-With ``fused`` on (``--fused-sampler``), a batch on a GPU whose sampled rows use temperature alone
+With ``fused`` on (the default on CUDA; ``--no-fused-sampler`` turns it off), a batch on a GPU whose sampled rows use temperature alone
 (no top-k, top-p, min-p or seed) skips those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
 one read of the logits. Any row that needs more sends the whole batch down the torch path.
 """

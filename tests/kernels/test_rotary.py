@@ -156,3 +156,93 @@ def test_gpu_bf16_large(head_dim, rot):
     torch.manual_seed(4)
     _, q, k = fused_qkv(2000, 28, 4, head_dim, torch.bfloat16, device="cuda")
     check(q, k, *tables(2000, rot, device="cuda"), rot)
+
+
+# -- per-head RMSNorm fused in front of the rotation (Qwen3's q_norm / k_norm) ---------------------
+
+
+def norm_then_rotate(q, k, wq, wk, cos, sin, eps):
+    from deepbatch.kernels.rms_norm import rms_norm_ref
+
+    return rotary_ref(rms_norm_ref(q, wq, eps), rms_norm_ref(k, wk, eps), cos, sin, q.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (16, 8)], ids=["gqa8-2", "qwen3-16-8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_head_norm_matches_norm_then_rotate(dtype, heads, head_dim):
+    torch.manual_seed(5)
+    qkv, q, k = fused_qkv(9, *heads, head_dim, dtype)
+    v0 = qkv[:, (heads[0] + heads[1]) * head_dim :].clone()
+    wq = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    wk = (torch.rand(head_dim, device=DEVICE) + 0.5).to(dtype)
+    cos, sin = tables(9, head_dim)
+    ref = norm_then_rotate(q.clone(), k.clone(), wq, wk, cos, sin, 1e-6)
+    ref32 = norm_then_rotate(q.float(), k.float(), wq.float(), wk.float(), cos, sin, 1e-6)
+    got = rotary(q, k, cos, sin, head_dim, wq, wk, 1e-6)
+    assert got[0] is q and got[1] is k
+    for g, r, r32 in zip(got, ref, ref32):
+        # The normalised head is unit-RMS times ~1: fp32 within an ulp; fp16 within the rounding of
+        # the norm's output (one ulp of values up to ~4) plus the rotation's.
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=8e-3, rtol=4e-3)
+        torch.testing.assert_close(g.float(), r.float(), **tol)
+        torch.testing.assert_close(g.float(), r32, **tol)
+        # Not the plain rotation: the norm did run (inputs have RMS ~3).
+        assert (g.float().pow(2).mean(-1).sqrt() < 3).all()
+    assert torch.equal(qkv[:, (heads[0] + heads[1]) * head_dim :], v0)
+
+
+def test_rotary_at_applies_qwen3_head_norms():
+    """``RotaryAt(q, k, q_norm, k_norm)``: the torch path (CPU) and the fused kernel agree."""
+    from transformers import Qwen3Config
+
+    from deepbatch.layers.norm import RMSNorm
+    from deepbatch.layers.rotary import RotaryEmbedding
+
+    config = Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    rope = RotaryEmbedding(config, 64, 512)
+    torch.manual_seed(6)
+    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    q_norm.weight.data.uniform_(0.5, 1.5)
+    k_norm.weight.data.uniform_(0.5, 1.5)
+    positions = torch.tensor([0, 7, 300])
+    _, q, k = fused_qkv(3, 4, 2, 64, torch.float32, device="cpu")
+    ref_q, ref_k = rope.at(positions)(q.clone(), k.clone(), q_norm, k_norm)  # CPU: modules, then torch rotation
+    exp_q, exp_k = norm_then_rotate(q, k, q_norm.weight, k_norm.weight, *(t[positions] for t in (rope.cos, rope.sin)),
+                                    1e-6)
+    torch.testing.assert_close(ref_q, exp_q, **ULP[torch.float32])
+    torch.testing.assert_close(ref_k, exp_k, **ULP[torch.float32])
+    at = rope.at(positions.to(DEVICE)) if DEVICE != "cpu" else rope.at(positions)
+    got_q, got_k = rotary(q.to(DEVICE), k.to(DEVICE), at.cos.to(DEVICE), at.sin.to(DEVICE), 64,
+                          q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), q_norm.eps)
+    torch.testing.assert_close(got_q.cpu(), exp_q, **ULP[torch.float32])
+    torch.testing.assert_close(got_k.cpu(), exp_k, **ULP[torch.float32])
+
+
+@pytest.mark.parametrize("case", ["one-weight", "partial-rotary", "weight-shape"])
+def test_fused_head_norm_bad_inputs(case):
+    q, k = torch.randn(4, 4, 64), torch.randn(4, 2, 64)
+    (cos, sin), rot = tables(4, 64, "cpu"), 64
+    wq, wk = torch.ones(64), torch.ones(64)
+    if case == "one-weight":
+        wk = None
+    elif case == "partial-rotary":
+        (cos, sin), rot = tables(4, 32, "cpu"), 32
+    elif case == "weight-shape":
+        wq = torch.ones(32)
+    with pytest.raises(ValueError):
+        rotary(q, k, cos, sin, rot, wq, wk)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_fused_head_norm():
+    torch.manual_seed(7)
+    _, q, k = fused_qkv(2000, 16, 8, 128, torch.bfloat16, device="cuda")
+    wq = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    wk = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    cos, sin = tables(2000, 128, device="cuda")
+    ref32 = norm_then_rotate(q.float(), k.float(), wq.float(), wk.float(), cos, sin, 1e-6)
+    got = rotary(q, k, cos, sin, 128, wq, wk, 1e-6)
+    for g, r32 in zip(got, ref32):
+        torch.testing.assert_close(g.float(), r32, atol=3e-2, rtol=2e-2)

@@ -202,7 +202,7 @@ def test_nan_logits_give_ids_inside_the_vocab():
     assert got.tolist() == [7, 0, x[2].argmax().item(), 2999, 100]
 
 
-def test_compiled_reductions_are_order_free():
+def test_compiled_reductions_are_order_free(monkeypatch):
     """The kernel as Triton builds it for an H200 (compiling needs no GPU). Triton lets a reshape
     that only feeds reductions reorder its elements: harmless for a max or a min, but an
     index-carrying reduction (``tl.max(..., return_indices=True)``) after it returns positions of
@@ -216,6 +216,8 @@ def test_compiled_reductions_are_order_free():
 
     if "nvidia" not in backends:
         pytest.skip("Triton has no NVIDIA backend")
+    # The suite runs kernels under the interpreter; compiling for a real target needs it off.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     kernel = _gumbel_max_kernel if isinstance(_gumbel_max_kernel, JITFunction) else JITFunction(_gumbel_max_kernel.fn)
     for dtype in ("fp32", "bf16"):
         sig = {"logits_ptr": f"*{dtype}", "inv_temp_ptr": "*fp32", "best_val_ptr": "*fp32",
@@ -347,12 +349,12 @@ def test_gpu_decode_shape(dtype):
     assert torch.equal(mixed, gumbel_sample(x, inv, 1, 0))
 
 
-def test_engine_uses_the_kernel_only_when_asked(tiny_checkpoints):
+def test_engine_uses_the_kernel_by_default_on_gpus_only(tiny_checkpoints):
     from deepbatch import LLM
 
-    off = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu")
+    off = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu", fused_sampler=False)
     assert off.engine.runner.sampler.fused is False
-    on = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu", fused_sampler=True)
-    # Asked for: used on a GPU with Triton; on the CPU the torch path stays.
+    on = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu")
+    # The default: used on a GPU with Triton; on the CPU the torch path stays.
     assert on.engine.runner.sampler.fused is None
     assert not on.engine.runner.sampler._fused_enabled(torch.zeros(1, 8))
