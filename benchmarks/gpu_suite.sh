@@ -41,6 +41,8 @@ run_stage() {
     attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;
     attention-sweep-ragged) stage attention-sweep-ragged 120 python3 benchmarks/attention_sweep.py --ragged \
       --output-json "$OUT/attention-sweep-ragged.json" ;;
+    attention-sweep-gqa4) stage attention-sweep-gqa4 120 python3 benchmarks/attention_sweep.py --ragged \
+      --num-heads 32 --num-kv-heads 8 --output-json "$OUT/attention-sweep-gqa4.json" ;;
     profile-mla-prefill) stage profile-mla-prefill 150 python3 benchmarks/gpu_profile.py \
       --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 0 --steps 6 \
       --output-json "$OUT/profile-mla-prefill.json" ;;
@@ -50,8 +52,8 @@ run_stage() {
       --dtype bfloat16 --runs triton-eager,triton-graphs-full --skip-logits --output-json "$OUT/parity-mla.json" ;;
     nano-x4-sync) stage nano-x4-sync 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --no-async-scheduling --output-json "$OUT/nano-x4-sync.json" ;;
-    nano-x4-peer) stage nano-x4-peer 300 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
-      --peers hf-static --peer-requests 128 --peer-batch-size 128 --output-json "$OUT/nano-x4-peer.json" ;;
+    nano-x4-peer) stage nano-x4-peer 330 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --peers hf-static --peer-requests 64 --peer-batch-size 64 --output-json "$OUT/nano-x4-peer.json" ;;
     random-1k) stage random-1k 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" \
       --output-json "$OUT/random-1k.json" ;;
     seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" \
