@@ -241,9 +241,10 @@ def mla_attention(
 
 
 def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, lse,
-            block_h, block_m, min_q_len, max_q_len, num_splits):
+            block_h, block_m, min_q_len, max_q_len, num_splits, tile_n=None, num_warps=None, num_stages=None):
     """One launch over sequences whose q_len lies in ``[min_q_len, max_q_len]``. ``out`` is
-    ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``."""
+    ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``.
+    ``tile_n``/``num_warps``/``num_stages`` override the defaults (benchmarks/mla_sweep.py)."""
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_pe.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -261,7 +262,7 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_Q=block_q,
-        TILE_N=32 if block_r >= 256 else 64, SPLIT=split,
+        TILE_N=tile_n or (32 if block_r >= 256 else 64), SPLIT=split,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_r * block_m >= 8192 else 4, num_stages=2,
+        num_warps=num_warps or (8 if block_r * block_m >= 8192 else 4), num_stages=num_stages or 2,
     )
