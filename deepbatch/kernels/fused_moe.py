@@ -177,7 +177,7 @@ def fused_moe(
 
 
 def _launch(a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, a_div, mul_weight, block_m,
-            block_n=64, block_k=64):
+            block_n=64, block_k=64, num_warps=4, num_stages=3):
     n, k = b.shape[1], b.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
@@ -187,5 +187,5 @@ def _launch(a, b, c, topk_weights, sorted_ids, expert_ids, num_padded, a_div, mu
         A_ROWS_PER_PAIR_DIV=a_div, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )

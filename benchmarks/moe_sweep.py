@@ -1,0 +1,100 @@
+"""Fused-MoE grouped-GEMM launch settings on the GPU: for a decode-sized and a prefill-sized
+batch, time both grouped GEMMs (gate/up, then down) for every (block_m, block_n, block_k,
+num_warps, num_stages) and report TFLOP/s and weight bandwidth beside the wrapper's choice.
+
+    python benchmarks/moe_sweep.py --tokens 256,8192 --output-json moe-sweep.json
+
+Shapes default to DeepSeek-V2-Lite (64 experts, top-6, hidden 2048, expert intermediate 1408).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from deepbatch.kernels import fused_moe as fm
+from deepbatch.kernels.silu_and_mul import silu_and_mul
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="256,8192")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    dev, dtype = "cuda", torch.bfloat16
+    e, k, hdim, inter = args.experts, args.top_k, args.hidden, args.intermediate
+    w13 = torch.randn(e, 2 * inter, hdim, device=dev, dtype=dtype) * 0.02
+    w2 = torch.randn(e, hdim, inter, device=dev, dtype=dtype) * 0.02
+    weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
+    report = {"args": vars(args), "cases": []}
+
+    def time_it(fn, reps=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps * 1e3  # us
+
+    for t in (int(x) for x in args.tokens.split(",")):
+        g = torch.Generator(dev).manual_seed(t)
+        x = torch.randn(t, hdim, device=dev, dtype=dtype, generator=g)
+        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices
+        wts = torch.rand(t, k, device=dev, generator=g)
+        ref = fm.fused_moe(x, w13, w2, wts, ids)
+        flops = 2 * t * k * (2 * inter * hdim + hdim * inter)
+        rows = [{"setting": "wrapper default", "us": time_it(lambda: fm.fused_moe(x, w13, w2, wts, ids))}]
+        per_expert = t * k / e
+        for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (3, 4)):
+            if bm > 2 * max(16, per_expert):  # tiles mostly padding at this batch
+                continue
+            sorted_ids, expert_ids, num_padded = fm.sort_pairs_by_expert(ids, e, bm)
+            gate_up = torch.empty(t * k, 2 * inter, dtype=dtype, device=dev)
+            down = torch.empty(t * k, hdim, dtype=dtype, device=dev)
+
+            def run():
+                fm._launch(x, w13, gate_up, wts, sorted_ids, expert_ids, num_padded, k, False, bm, bn, bk, warps,
+                           stages)
+                act = silu_and_mul(gate_up)
+                fm._launch(act, w2, down, wts, sorted_ids, expert_ids, num_padded, 1, True, bm, bn, bk, warps,
+                           stages)
+                return down.view(t, k, hdim).sum(1)
+
+            name = f"block_m={bm} block_n={bn} block_k={bk} warps={warps} stages={stages}"
+            try:
+                us = time_it(run)
+                ok = torch.allclose(run().float(), ref.float(), atol=2e-2, rtol=2e-2)
+            except Exception as exc:  # shared memory or registers exceeded
+                rows.append({"setting": name, "error": str(exc)[:120]})
+                continue
+            rows.append({"setting": name, "us": us, "matches": ok})
+        for row in rows:
+            if "us" in row:
+                row["TFLOP/s"] = flops / row["us"] / 1e6
+                row["TB/s"] = weight_bytes / row["us"] / 1e6
+        rows.sort(key=lambda row: row.get("us", float("inf")))
+        print(f"\n{t} tokens x top-{k} of {e} experts, H={hdim}, I={inter}: {flops / 1e9:.1f} GFLOP, "
+              f"{weight_bytes / 1e9:.2f} GB of expert weights")
+        for row in rows[:15] + [r for r in rows[15:] if r["setting"] == "wrapper default"]:
+            if "us" in row:
+                print(f"{row['setting']:<56} {row['us']:>9.1f} us {row['TFLOP/s']:>6.1f} TFLOP/s "
+                      f"{row['TB/s']:>5.2f} TB/s {'' if row.get('matches', True) else 'MISMATCH'}")
+        report["cases"].append({"tokens": t, "rows": rows})
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
