@@ -11,8 +11,9 @@ multiple of ``BLOCK_M``, so every row tile of the grouped GEMM belongs to one ex
     sorted_ids:  [ e0 pairs | pad ][ e2 pairs ....... | pad ][ e5 | pad ] ...   (pad = T*K)
     expert_ids:  [ 0 ][ 2 ][ 2 ][ 5 ] ...                                        (one per tile)
 
-The sort is done with torch ops sized by host ints only (no device sync), so it can be captured
-in a CUDA graph.
+The sort (``kernels/moe_align.py``, one launch; the torch version here is its reference and the
+path for large batches) is sized by host ints only (no device sync), so it can be captured in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def fused_moe(
     if triton is None:
         raise RuntimeError("fused_moe: Triton is not installed; use fused_moe_ref")
     _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    from deepbatch.kernels.moe_align import moe_align
     from deepbatch.kernels.silu_and_mul import silu_and_mul
 
     num_tokens, hidden = x.shape
@@ -164,15 +166,18 @@ def fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     # Tiles about as tall as an expert's share of the pairs: decode batches leave most of a tall
-    # tile empty.
-    block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
-    sorted_ids, expert_ids, num_padded = sort_pairs_by_expert(topk_ids, num_experts, block_m)
+    # tile empty. On an H200 (DeepSeek-V2-Lite experts, bf16; benchmarks/moe_sweep.py) 128-wide
+    # tiles won at both ends: 304 vs 310 us at 256 tokens (block_m 32), 2.11 vs 3.23 ms at 8,192
+    # tokens with 128-row tiles instead of 64 x 64.
+    block_m = min(128, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, num_experts))))
+    block_n = 128 if x.element_size() == 2 else 64  # fp32 tiles that wide crowd shared memory
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_m)
     topk_weights = topk_weights.contiguous()
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
-    _launch(x, w13, gate_up, topk_weights, sorted_ids, expert_ids, num_padded, top_k, False, block_m)
+    _launch(x, w13, gate_up, topk_weights, sorted_ids, expert_ids, num_padded, top_k, False, block_m, block_n)
     act = silu_and_mul(gate_up)  # [T*K, I]
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _launch(act, w2, down, topk_weights, sorted_ids, expert_ids, num_padded, 1, True, block_m)
+    _launch(act, w2, down, topk_weights, sorted_ids, expert_ids, num_padded, 1, True, block_m, block_n)
     return down.view(num_tokens, top_k, hidden).sum(1)
 
 

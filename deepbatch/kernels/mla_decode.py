@@ -213,7 +213,10 @@ def mla_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if max_query_len <= 1:
-            num_kv_splits = _choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device)
+            # One program per SM is enough here: each is busy with 16 heads x 576 dims per key. At
+            # 256 sequences of 640..1,920 tokens (DeepSeek-V2-Lite, bf16, H200) one pass took 259 us
+            # against 304-348 us split in 2-4 (benchmarks/mla_sweep.py).
+            num_kv_splits = _choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device, programs_per_sm=1)
     args = (q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale)
 
     if num_kv_splits > 1:
@@ -254,6 +257,12 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
     o_strides = out.stride() if split else (0, *out.stride())
     l_strides = lse.stride()[:2] if split else (0, 0)
     grid = (num_tokens // block_q + num_seqs, triton.cdiv(num_heads, block_h), num_splits)
+    # (tile_n, warps, stages). Decode tiles of 16-bit latents at R = 512: 64 keys, 4 warps, 3 stages
+    # ran best of 36 settings on an H200 (1.45 TB/s vs 1.08 with 32 keys, 8 warps, 2 stages).
+    if block_m <= 16 and q_latent.element_size() == 2 and block_r <= 512:
+        tiles = (64, 4, 3)
+    else:
+        tiles = (32 if block_r >= 256 else 64, 8 if block_r * block_m >= 8192 else 4, 2)
     _mla_attention_kernel[grid](
         q_latent, q_pe, latent_cache, out, lse if split else out, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E, num_seqs, num_heads, min_q_len, max_q_len,
@@ -262,7 +271,7 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_Q=block_q,
-        TILE_N=tile_n or (32 if block_r >= 256 else 64), SPLIT=split,
+        TILE_N=tile_n or tiles[0], SPLIT=split,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (8 if block_r * block_m >= 8192 else 4), num_stages=num_stages or 2,
+        num_warps=num_warps or tiles[1], num_stages=num_stages or tiles[2],
     )

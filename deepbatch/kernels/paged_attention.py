@@ -284,13 +284,14 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms_cache[device]
 
 
-def _choose_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split while the (seq, kv head) programs number under about four per SM and each split still
-    streams at least 512 keys. Measured on an H200 (32 query / 8 KV heads, d=128, bf16): 4 x 32k
-    contexts ran 6x faster with 16 splits, 16 x 8k 1.9x faster with 4; 128 x 2k streams KV at
-    about 4 TB/s unsplit."""
+def _choose_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      programs_per_sm: int = 4) -> int:
+    """Split while the (seq, kv head) programs number under ``programs_per_sm`` per SM and each
+    split still streams at least 512 keys. Measured on an H200 (32 query / 8 KV heads, d=128,
+    bf16): 4 x 32k contexts ran 6x faster with 16 splits, 16 x 8k 1.9x faster with 4; 128 x 2k
+    streams KV at about 4 TB/s unsplit."""
     programs = num_seqs * num_kv_heads
-    target = 4 * _num_sms(device)
+    target = programs_per_sm * _num_sms(device)
     if programs == 0 or programs >= target:
         return 1
     return max(1, min(triton.cdiv(target, programs), max_seq_len // 512, 64))
