@@ -66,6 +66,8 @@ run_stage() {
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests 16 --peer-batch-size 16 \
       --output-json "$OUT/mla-moe.json" ;;
+    mla-moe-expanded) stage mla-moe-expanded 200 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
+      --num-requests ${MLA_REQUESTS:-1000} --mla-prefill expanded --output-json "$OUT/mla-moe-expanded.json" ;;
     kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
     kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
     kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;
