@@ -164,6 +164,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # "full": CUDA graphs for every step, prefill chunks included; "decode": decode-only steps.
     cuda_graph_mode: str = "full"
+    # How MLA models (DeepSeek-V2/V3) attend in prefill chunks: "absorbed" (in the latent space,
+    # as decodes do) or "expanded" (keys and values decompressed by kv_b_proj, fewer FLOPs per
+    # key for long prompts; such steps then run without CUDA graphs).
+    mla_prefill: str = "absorbed"
     # Temperature-only batches on a GPU sampled by one Triton pass over the logits
     # (kernels/sample.py) instead of several torch passes; False keeps the torch ops.
     fused_sampler: bool = True
@@ -177,6 +181,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
         if self.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(f"cuda_graph_mode: must be full or decode, got {self.cuda_graph_mode!r}")
+        if self.mla_prefill not in ("absorbed", "expanded"):
+            raise ValueError(f"mla_prefill: must be absorbed or expanded, got {self.mla_prefill!r}")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
         if self.parallel.tensor_parallel_size > 1:

@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full")
+    p.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="absorbed")
     p.add_argument("--fused-sampler", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
-              enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode, fused_sampler=args.fused_sampler,
+              enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode, mla_prefill=args.mla_prefill,
+              fused_sampler=args.fused_sampler,
               attention_backend=args.attention_backend, max_model_len=4096,
               async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
               admission_max_delay_ms=args.admission_max_delay_ms,
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace) -> dict:
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
             "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1),
-            "admission": args.admission, "swap_space_gib": args.swap_space, "memory": memory}
+            "admission": args.admission, "swap_space_gib": args.swap_space, "mla_prefill": args.mla_prefill,
+            "memory": memory}
     results = [ours]
     # Printed now: a peer that runs out of time must not take the engine's figure with it.
     frac = f", {n_out / dt / ceiling:.1%} of the {ceiling:,.0f} ceiling" if ceiling else ""

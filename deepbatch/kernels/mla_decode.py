@@ -30,8 +30,11 @@ def mla_attention_ref(
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch reference, one sequence at a time, in float32; also the CPU backend."""
+    """Plain PyTorch reference, one sequence at a time, in float32; also the CPU backend.
+    ``max_q_len``: as in :func:`mla_attention`."""
     if out is None:
         out = torch.empty_like(q_latent)
     rank = q_latent.shape[-1]
@@ -39,7 +42,7 @@ def mla_attention_ref(
     for i, seq_len in enumerate(seq_lens.tolist()):
         qs, qe = qsl[i], qsl[i + 1]
         q_len = qe - qs
-        if q_len == 0:
+        if q_len == 0 or (max_q_len is not None and q_len > max_q_len):
             continue
         kv = gather_kv(latent_cache, block_tables[i], seq_len)[:, 0].float()  # [L, R+P]
         c_kv, k_pe = kv[:, :rank], kv[:, rank:]
@@ -185,6 +188,7 @@ def mla_attention(
     out: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`mla_attention_ref` (same semantics; module docstring).
 
@@ -192,7 +196,9 @@ def mla_attention(
     pick tile shapes and the path. ``num_kv_splits``: ``None`` picks by heuristic (splits only for
     decode-only batches); ``1`` forces one pass; ``> 1`` splits the keys of every sequence and
     merges the partial results in float32 (only for ``max_query_len <= 1``). Without splits, rows
-    past ``query_start_loc[-1]`` are not written; with splits their values are unspecified."""
+    past ``query_start_loc[-1]`` are not written; with splits their values are unspecified.
+    ``max_q_len``: sequences with more query rows are skipped and their rows not written (the
+    expanded MLA prefill computes them); ``max_seq_len`` may then be the maximum of the others."""
     if triton is None:
         raise RuntimeError("mla_attention: Triton is not installed; use mla_attention_ref")
     _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
@@ -200,10 +206,13 @@ def mla_attention(
     if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
         raise ValueError(f"mla_attention: num_kv_splits={num_kv_splits} must be None or >= 1, and > 1 only "
                          f"with max_query_len <= 1 (got {max_query_len})")
+    if max_q_len is not None and max_q_len < 1:
+        raise ValueError(f"mla_attention: max_q_len must be None or >= 1, got {max_q_len}")
     if out is None:
         out = torch.empty_like(q_latent)
     num_tokens, num_heads, rank = q_latent.shape
     num_seqs = seq_lens.shape[0]
+    q_len_cap = _INT32_MAX if max_q_len is None else min(max_q_len, _INT32_MAX)
     if num_tokens == 0 or num_seqs == 0:
         return out
     # 16 heads a tile, as in sglang's MLA decode: a wider tile's [rows, R] float32 accumulator
@@ -222,24 +231,26 @@ def mla_attention(
     if num_kv_splits > 1:
         partial = torch.empty(num_kv_splits, *q_latent.shape, dtype=torch.float32, device=q_latent.device)
         lse = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=q_latent.device)
-        _launch(*args, partial, lse, block_h, 16, 0, _INT32_MAX, num_kv_splits)
+        _launch(*args, partial, lse, block_h, 16, 0, q_len_cap, num_kv_splits)
         # out = sum_s w_s * partial_s / sum_s w_s, with w_s = 2^(lse_s - max lse): [S, T, H]
         weights = torch.exp2(lse - lse.amax(0, keepdim=True))
         merged = (partial * weights.unsqueeze(-1)).sum(0) / weights.sum(0).unsqueeze(-1)
         return out.copy_(merged)
 
     # Decodes and short chunks take a 16-row tile; longer chunks, if any, a second launch with a
-    # taller one (fewer rows where the float32 accumulator is wide).
+    # taller one (fewer rows where the float32 accumulator is wide). Skipped sequences need no
+    # tile; they never take the split path above either, whose partials would span their rows.
     small_m = max(16, block_h)
     small_q = small_m // block_h
     big_m = small_m
-    if max_query_len > small_q:
-        big_m = max(small_m, min(32 if rank >= 256 else 64, triton.next_power_of_2(max_query_len * block_h)))
+    longest = min(max_query_len, q_len_cap)
+    if longest > small_q:
+        big_m = max(small_m, min(32 if rank >= 256 else 64, triton.next_power_of_2(longest * block_h)))
     if big_m == small_m:
-        _launch(*args, out, None, block_h, small_m, 0, _INT32_MAX, 1)
+        _launch(*args, out, None, block_h, small_m, 0, q_len_cap, 1)
     else:
         _launch(*args, out, None, block_h, small_m, 0, small_q, 1)
-        _launch(*args, out, None, block_h, big_m, small_q + 1, _INT32_MAX, 1)
+        _launch(*args, out, None, block_h, big_m, small_q + 1, q_len_cap, 1)
     return out
 
 

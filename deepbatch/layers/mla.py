@@ -14,7 +14,18 @@ absorbed instead of applied to every cached token::
     score = (q_nope W_UK) . c_kv + q_pe . k_pe      = q_nope . k_nope + q_pe . k_pe
     out   = o_proj( (softmax(score) @ c_kv) W_UV^T ) = o_proj( softmax(score) @ v )
 
-Every step (prefill chunks and decodes alike) takes this absorbed path.
+That is attention with per-head query and key width R + P and value width R: in a decode the
+latent is read once for all heads, which is what bounds it. Prefill chunks are bound by FLOPs
+instead, where the absorbed form costs ``(2R + P) / (Dn + P + Dv)`` times the expanded one
+(576 + 512 against 192 + 128 multiply-adds per key and head for DeepSeek-V2-Lite, 3.4x). ``prefill_mode``
+(``EngineConfig.mla_prefill``) picks the form of requests with more than one new token:
+
+* ``"absorbed"`` (the default): every row of every step takes the absorbed path.
+* ``"expanded"``: a step's prefill chunks gather their requests' cached latents, decompress them
+  with one ``kv_b_proj`` GEMM into ``k_nope`` and ``v``, and attend over ``[k_nope | k_pe]`` with
+  SDPA, one request at a time; the step's decodes still take the absorbed kernel, which skips
+  the chunks' rows. It reads per-request lengths on the host (``ForwardBatch.host_lens``), so
+  such steps are never captured in a CUDA graph; decode-only steps are unchanged.
 
 Under tensor parallelism the heads are split (``q_proj``/``q_b_proj`` and ``kv_b_proj``
 column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
@@ -24,8 +35,10 @@ column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deepbatch.distributed.parallel_state import current_tp_group
@@ -111,6 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = mla_softmax_scale(config)
         self.latent_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, R + P]
         self.backend: AttentionBackend = AttentionBackend()
+        self.prefill_mode = "absorbed"  # or "expanded" (module docstring); set by the runner
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
         """One paged tensor of ``[c_kv | k_pe]`` per token (see ``PagedAttention.cache_shapes``)."""
@@ -142,20 +156,107 @@ class MultiHeadLatentAttention(nn.Module):
         # twice into the same slot, which is idempotent and keeps one write kernel.
         self.backend.write_kv(latent, latent, self.latent_cache, self.latent_cache, batch.slot_mapping)
 
+        if self.prefill_mode == "expanded" and batch.max_query_len > 1:
+            o = self._attend_mixed(q_nope, q_pe, batch)
+        else:
+            o = self._attend_absorbed(q_nope, q_pe, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                      batch.max_query_len, batch.max_seq_len)
+        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
+
+    def _attend_absorbed(self, q_nope, q_pe, block_tables, query_start_loc, seq_lens, max_query_len: int,
+                         max_seq_len: int, max_q_len: int | None = None) -> torch.Tensor:
+        """``[T, H, Dv]`` through the latent space; with ``max_q_len``, rows of longer requests are
+        left for another path (whatever they hold is to be overwritten)."""
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, Dn] @ [H, Dn, R] -> [T, H, R]
-        o_latent = self._attend(q_latent, q_pe, batch)  # [T, H, R]
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, R] @ [H, R, Dv] -> [H, T, Dv]
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.num_heads * self.v_head_dim))
-
-    def _attend(self, q_latent: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.backend.name == "triton":
             from deepbatch.kernels.mla_decode import mla_attention
 
-            return mla_attention(
-                q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                self.scale, batch.max_query_len, batch.max_seq_len,
+            o_latent = mla_attention(q_latent, q_pe, self.latent_cache, block_tables, query_start_loc, seq_lens,
+                                     self.scale, max_query_len, max_seq_len, max_q_len=max_q_len)
+        else:
+            o_latent = mla_attention_ref(q_latent, q_pe, self.latent_cache, block_tables, query_start_loc, seq_lens,
+                                         self.scale, max_q_len=max_q_len)
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, R] @ [H, R, Dv] -> [H, T, Dv]
+        return o.transpose(0, 1)
+
+    def _attend_mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``[T, H, Dv]`` of a step with prefill chunks: decodes absorbed, chunks expanded."""
+        T = q_nope.shape[0]
+        q_lens, seq_lens = batch.host_lens()
+        starts = list(accumulate(q_lens, initial=0))
+        o = q_nope.new_empty(T, self.num_heads, self.v_head_dim)
+        if starts[-1] < T:  # rows of no request (none in eager steps): defined, never read
+            o[starts[-1]:].zero_()
+        decodes = [i for i, n in enumerate(q_lens) if n == 1]
+        if decodes:
+            # The requests from the first decode to the last, as one slice of the batch: chunks
+            # among them are skipped by the kernel and their rows overwritten below.
+            first, last = decodes[0], decodes[-1] + 1
+            lo, hi = starts[first], starts[last]
+            qsl = batch.query_start_loc[first : last + 1]
+            o[lo:hi] = self._attend_absorbed(
+                q_nope[lo:hi], q_pe[lo:hi], batch.block_tables[first:last], qsl - lo if lo else qsl,
+                batch.seq_lens[first:last], max(q_lens[first:last]), max(seq_lens[i] for i in decodes), max_q_len=1,
             )
-        return mla_attention_ref(
-            q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale,
-        )
+        chunks = [i for i, n in enumerate(q_lens) if n > 1]
+        for group in self._gather_groups(chunks, seq_lens, T):
+            self._attend_expanded(q_nope, q_pe, batch.block_tables, group, starts, seq_lens, o)
+        return o
+
+    def _gather_groups(self, chunks: list[int], seq_lens: list[int], num_tokens: int) -> list[list[int]]:
+        """The chunks in groups whose cached tokens (whole blocks) are decompressed at once: one
+        GEMM for many short prompts, while a group's keys and values stay within what the step's
+        token count or its longest request needs (what the runner's memory profile measures)."""
+        bs = self.latent_cache.shape[1]
+        groups, size = [], 0
+        for i in chunks:
+            n = -(-seq_lens[i] // bs) * bs
+            if not groups or size + n > num_tokens:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += n
+        return groups
+
+    def _attend_expanded(self, q_nope, q_pe, block_tables, group: list[int], starts: list[int], seq_lens: list[int],
+                         o: torch.Tensor) -> None:
+        """Writes the rows of the chunks in ``group`` into ``o``: their cached latents, whole blocks,
+        decompressed by one ``kv_b_proj`` GEMM, then causal SDPA request by request."""
+        bs = self.latent_cache.shape[1]
+        num_blocks = [-(-seq_lens[i] // bs) for i in group]
+        ids = torch.cat([block_tables[i, :nb] for i, nb in zip(group, num_blocks)]).long()
+        latent = self.latent_cache[ids].flatten(0, 2)  # [sum(blocks) * bs, R + P]
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        key = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)  # [L, H, Dn + P]
+        offset = 0
+        for i, nb in zip(group, num_blocks):
+            rows, keys = slice(starts[i], starts[i + 1]), slice(offset, offset + seq_lens[i])
+            query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q_len, H, Dn + P]
+            o[rows] = causal_attention(query, key[keys], v[keys], self.scale)
+            offset += nb * bs
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     pad_value: bool | None = None) -> torch.Tensor:
+    """SDPA of one request's ``q_len`` newest positions over its ``seq_len`` keys, under the causal
+    rule of :mod:`deepbatch.kernels.paged_attention`: ``[q_len, H, Dq]``, ``[seq_len, H, Dq]`` and
+    ``[seq_len, H, Dv]`` in, ``[q_len, H, Dv]`` out. ``pad_value`` (default: on CUDA, without a mask)
+    zero-pads the values to the key width, which the flash backend needs."""
+    q_len, seq_len = query.shape[0], key.shape[0]
+    causal = q_len == seq_len
+    mask = None
+    if not causal:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+    dv = value.shape[-1]
+    if pad_value is None:
+        pad_value = query.is_cuda and causal
+    if pad_value and dv < key.shape[-1]:
+        value = F.pad(value, (0, key.shape[-1] - dv))
+    # Batched 4-D inputs: the fused SDPA backends take nothing else.
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)  # [1, H, q_len, Dv']
+    return out[0, ..., :dv].transpose(0, 1)

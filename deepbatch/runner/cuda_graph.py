@@ -1,5 +1,5 @@
 """CUDA graphs for whole steps: decode-only steps, and (``cuda_graph_mode="full"``) steps that
-carry prefill chunks.
+carry prefill chunks (``ModelRunner.mixed_graphs`` says when).
 
 A step replays the graph captured for the smallest size that holds it. Inputs live in static
 buffers; padding writes no KV (slot -1) and its outputs are dropped.

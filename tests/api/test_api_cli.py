@@ -61,17 +61,19 @@ def test_engine_config_matches_llm(monkeypatch):
     argv = ["serve", "some/model.gguf", "--max-model-len", "1024", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "512", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
             "--dtype", "float32", "--device", "cpu", "--block-size", "32", "--num-gpu-blocks-override", "99",
-            "--scheduling-policy", "priority", "--seed", "5"]
+            "--scheduling-policy", "priority", "--seed", "5", "--mla-prefill", "expanded"]
     args = cli.build_parser().parse_args(argv)
     config = cli.engine_config_from_args(args)
     deepbatch.llm.LLM.from_config(config)
     # The same settings given to LLM(...) as keywords build the same config.
     deepbatch.llm.LLM("some/model.gguf", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=512,
                       enable_prefix_caching=False, gpu_memory_utilization=0.5, dtype="float32", device="cpu",
-                      block_size=32, num_gpu_blocks_override=99, scheduling_policy="priority", seed=5)
+                      block_size=32, num_gpu_blocks_override=99, scheduling_policy="priority", seed=5,
+                      mla_prefill="expanded")
     assert captured == [config, config]
     assert config.model.model == "some/model.gguf" and config.cache.enable_prefix_caching is False
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 512)
+    assert config.mla_prefill == "expanded"
     # --model is the same as the positional MODEL; neither means the embedded default.
     def model_of(argv):
         return cli.engine_config_from_args(cli.build_parser().parse_args(argv)).model.model

@@ -67,6 +67,18 @@ def test_tp2_greedy_matches_tp1_and_hf(tp_checkpoints, arch):
     assert not any(p.is_alive() for p in llm.engine.runner._procs)
 
 
+def test_tp2_expanded_mla_prefill_matches_hf(tp_checkpoints):
+    """Each rank decompresses the latents into its own half of the heads (kv_b_proj is
+    column-parallel); chunks over cached context beside decodes under a budget of 16."""
+    path = tp_checkpoints["deepseek_v2"]
+    tp2, llm = greedy(path, 2, mla_prefill="expanded", max_num_batched_tokens=16)
+    try:
+        assert tp2 == hf_greedy(path, PROMPTS)
+        assert llm.engine.runner.model.model.layers[0].self_attn.prefill_mode == "expanded"
+    finally:
+        llm.engine.shutdown()
+
+
 def test_flags_reach_the_frozen_config():
     from deepbatch.cli import build_parser, engine_config_from_args
     from deepbatch.config import ParallelConfig

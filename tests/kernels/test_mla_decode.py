@@ -120,6 +120,27 @@ def test_long_prefill_chunk_and_block_size_32():
     assert_matches(out, ref, torch.float32, batch)
 
 
+@pytest.mark.parametrize("max_q_len", [1, 3])
+def test_max_q_len_skips_longer_sequences(max_q_len):
+    """Sequences with more query rows than ``max_q_len`` are left to another path: their rows stay
+    unwritten, the others match the reference."""
+    torch.manual_seed(4)
+    batch, mql, msl = make_batch(MIXED, 4, 32, 8, block_size=16, dtype=torch.float32)
+    q = batch["q_latent"]
+    out = mla_attention(**batch, max_query_len=mql, max_seq_len=msl, max_q_len=max_q_len,
+                        out=torch.full(q.shape, float("nan")))
+    ref = mla_attention_ref(**batch, out=torch.full(q.shape, float("nan")), max_q_len=max_q_len)
+    qsl = batch["query_start_loc"].tolist()
+    for (q_len, _), start, end in zip(MIXED, qsl, qsl[1:]):
+        if q_len > max_q_len:
+            assert out[start:end].isnan().all() and ref[start:end].isnan().all()
+        else:
+            torch.testing.assert_close(out[start:end], ref[start:end], **TOL[torch.float32])
+            assert not out[start:end].isnan().any()
+    with pytest.raises(ValueError, match="max_q_len"):
+        mla_attention(**batch, max_query_len=mql, max_seq_len=msl, max_q_len=0)
+
+
 def _bad_inputs():
     def mutate(**changes):
         def f(batch):

@@ -112,16 +112,22 @@ def test_chunked_prefill_matches_hf(deepseek_checkpoints, arch):
     assert got == hf_outputs(path, prompts)
 
 
-@pytest.mark.parametrize("arch", ["v2", "v3"])
-def test_prefix_cache_hits_match_hf(deepseek_checkpoints, arch):
-    path = deepseek_checkpoints[arch]
+def prefix_hit_outputs(path: str, **kwargs):
+    """The shared-prefix prompts, the first alone so the others hit its blocks: greedy tokens of
+    all, and the outputs of the others."""
     prompts = shared_prefix_prompts()
-    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=64, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in first + rest]
-    assert got == hf_outputs(path, prompts)
+    return [o.outputs[0].token_ids for o in first + rest], rest
+
+
+@pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_prefix_cache_hits_match_hf(deepseek_checkpoints, arch):
+    path = deepseek_checkpoints[arch]
+    got, rest = prefix_hit_outputs(path)
+    assert got == hf_outputs(path, shared_prefix_prompts())
     assert all(o.num_cached_tokens > 0 for o in rest)
 
 
