@@ -64,7 +64,7 @@ run_stage() {
     seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" \
       --output-json "$OUT/seed-table.json" ;;
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
-      --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests 16 --peer-batch-size 16 \
+      --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests ${MLA_PEER:-16} --peer-batch-size ${MLA_PEER:-16} \
       --output-json "$OUT/mla-moe.json" ;;
     mla-moe-expanded) stage mla-moe-expanded 200 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --num-requests ${MLA_REQUESTS:-1000} --mla-prefill expanded --output-json "$OUT/mla-moe-expanded.json" ;;

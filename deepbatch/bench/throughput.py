@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
 
     peers = [p for p in args.peers.split(",") if p]
     if peers:
-        hf = _hf_model_like(llm, device)
+        hf_config, hf_dtype, state = _export_weights(llm)
         # Every reference to the engine must go (the KV sampler wraps its step), or its KV cache
         # keeps the GPU memory the peer needs.
         del llm, engine, sampler, outs
@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
             logging.getLogger(__name__).info("GPU memory left to the peers: %.1f GiB allocated by torch",
                                              torch.cuda.memory_allocated() / 2**30)
-        hf = hf.to(device)
+        hf = _hf_model(hf_config, hf_dtype, state, device)
+        del state
         pw = w.head(args.peer_requests) if args.peer_requests else w
         from deepbatch.bench import peers as peer_mod
 
@@ -181,17 +182,23 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _hf_model_like(llm, device):
-    """An HF model of the same architecture holding deepbatch's weights (on the CPU for now)."""
-    from transformers import AutoModelForCausalLM
-
+def _export_weights(llm):
+    """``(hf_config, dtype, state_dict)``: deepbatch's weights under HF's names, on the CPU."""
     engine = llm.engine
-    cfg = engine.hf_config
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=engine.config.model.dtype)
     ours = engine.runner.model
     state = {}
     for name, p in ours.named_parameters():
         state.update(ours.export_weights(name, p.detach().cpu()) if hasattr(ours, "export_weights") else {name: p.detach().cpu()})
+    return engine.hf_config, engine.config.model.dtype, state
+
+
+def _hf_model(cfg, dtype, state, device):
+    """An HF model of the same architecture holding ``state``. Built on ``device``: random
+    initialisation of a 16B-parameter model takes minutes on the CPU and a second on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected:
         raise RuntimeError(f"weights HF does not know: {unexpected[:5]}")

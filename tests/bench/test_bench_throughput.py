@@ -69,3 +69,20 @@ def test_peer_runs_after_the_engine_is_released(tmp_path, monkeypatch):
     assert alive == [0]
     assert results[1]["name"].startswith("hf-static") and "error" not in results[1]
     assert results[1]["output_tokens"] == 2 * 256
+
+
+def test_peer_model_holds_the_engines_weights(tiny_checkpoints):
+    """The HF peer is built from deepbatch's own weights: its logits on a prompt equal those of
+    HF loading the same checkpoint from disk."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deepbatch import LLM
+
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu")
+    cfg, dtype, state = throughput._export_weights(llm)
+    peer = throughput._hf_model(cfg, dtype, state, "cpu")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"], dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 17, 42, 99, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(peer(ids).logits, ref(ids).logits)
