@@ -27,12 +27,13 @@ def main():
     ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="absorbed")
     ap.add_argument("--timeline", action="store_true",
                     help="instead: run the whole workload, timing each step by kind (decode-only or mixed)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     llm = LLM(args.model_config, dtype="bfloat16", random_weights=True, max_model_len=4096,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, mla_prefill=args.mla_prefill)
     engine = llm.engine
     w = make_workload(args.workload, engine.hf_config.vocab_size, None)
     # Warm-up (Triton compilation, cuBLAS heuristics) outside what is measured.
