@@ -44,6 +44,8 @@ run_stage() {
     attention-sweep-gqa4) stage attention-sweep-gqa4 120 python3 benchmarks/attention_sweep.py --ragged \
       --num-heads 32 --num-kv-heads 8 --output-json "$OUT/attention-sweep-gqa4.json" ;;
     moe-sweep) stage moe-sweep 200 python3 benchmarks/moe_sweep.py --output-json "$OUT/moe-sweep.json" ;;
+    mla-prefill-sweep) stage mla-prefill-sweep 150 python3 benchmarks/mla_prefill_sweep.py \
+      --output-json "$OUT/mla-prefill-sweep.json" ;;
     mla-sweep) stage mla-sweep 150 python3 benchmarks/mla_sweep.py --output-json "$OUT/mla-sweep.json" ;;
     profile-mla-decode) stage profile-mla-decode 150 python3 benchmarks/gpu_profile.py \
       --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 300 --steps 20 \
