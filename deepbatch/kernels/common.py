@@ -14,6 +14,27 @@ except ImportError:  # torch references stay usable without Triton (CPU-only ins
     triton = tl = None
 
 
+_H100_SHARED_MEMORY = 232448  # bytes a block may opt in to on an H100/H200 (227 KiB)
+_shared_memory_cache: dict[int, int] = {}
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (bytes). Launch settings tuned on an H200
+    check it so that a GPU with less (an A100 has 163 KiB, consumer parts about 100 KiB) gets the
+    smaller defaults instead of a compile error. Off CUDA (the interpreter) it answers as an H200,
+    so CPU tests take the same paths."""
+    if device.type != "cuda" or triton is None:
+        return _H100_SHARED_MEMORY
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _shared_memory_cache:
+        try:
+            props = triton.runtime.driver.active.utils.get_device_properties(index)
+            _shared_memory_cache[index] = int(props["max_shared_mem"])
+        except Exception:  # an unexpected driver API: assume a small part
+            _shared_memory_cache[index] = 101376
+    return _shared_memory_cache[index]
+
+
 def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     """``triton.jit`` when Triton is installed; else the plain function (never launched).
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
-from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, tl, triton
+from deepbatch.kernels.common import (check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl,
+                                      triton)
 
 
 def mla_attention_ref(
@@ -171,8 +172,8 @@ def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, s
     check_like(fail, "q_latent", q_latent, (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out)))
     if out is not None and out.shape != q_latent.shape:
         fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
-    check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables, query_start_loc, seq_lens,
-                         max_query_len, max_seq_len)
+    check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables,
+                         query_start_loc, seq_lens, max_query_len, max_seq_len)
 
 
 def mla_attention(
@@ -270,7 +271,9 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
     grid = (num_tokens // block_q + num_seqs, triton.cdiv(num_heads, block_h), num_splits)
     # (tile_n, warps, stages). Decode tiles of 16-bit latents at R = 512: 64 keys, 4 warps, 3 stages
     # ran best of 36 settings on an H200 (1.45 TB/s vs 1.08 with 32 keys, 8 warps, 2 stages).
-    if block_m <= 16 and q_latent.element_size() == 2 and block_r <= 512:
+    # Two buffers of 64 latent rows (R + P wide) must fit shared memory (147 KiB at R = 512).
+    if (block_m <= 16 and q_latent.element_size() == 2 and block_r <= 512
+            and 2 * 64 * (block_r + 64) * 2 + 8192 <= max_shared_memory(q_latent.device)):
         tiles = (64, 4, 3)
     else:
         tiles = (32 if block_r >= 256 else 64, 8 if block_r * block_m >= 8192 else 4, 2)

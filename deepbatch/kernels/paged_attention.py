@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, tl, triton
+from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl, triton
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -376,7 +376,10 @@ def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sc
     # Decode-sized tiles of 16-bit KV stream best with long key tiles and a deep pipeline: 4.00 vs
     # 3.69 TB/s for 256 sequences of 100..1,600 tokens, 16/8 heads, d=128 on an H200
     # (benchmarks/attention_sweep.py --ragged). fp32 tiles that long would not fit shared memory.
-    decode_tiles = block_m <= 16 and head_dim <= 128 and query.element_size() == 2
+    # Their K and V buffers (num_stages - 1 of each, as the pipeliner allocates) need 192 KiB at
+    # d=128: GPUs with less shared memory keep the smaller defaults.
+    decode_tiles = (block_m <= 16 and head_dim <= 128 and query.element_size() == 2
+                    and 3 * 2 * 128 * head_dim * 2 + 8192 <= max_shared_memory(query.device))
     if tile_n is None:
         tile_n = 128 if decode_tiles else 64 if head_dim <= 128 else 32
     if num_warps is None:

@@ -237,3 +237,35 @@ def test_gpu_bf16_large(kind):
     rel = (out - ref).norm() / ref.norm()
     assert rel < 2e-2, rel
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_small_shared_memory_gpus_keep_the_small_decode_tiles(monkeypatch):
+    """The 128-key, 4-stage decode tiles need ~200 KiB of shared memory: a GPU with less (an A100's
+    163 KiB) must get the old 64-key, 2-stage launch, not a compile error."""
+    import deepbatch.kernels.paged_attention as pa
+
+    seen = []
+    real = pa._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((kwargs["TILE_N"], kwargs["num_stages"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Spy())
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 128, dtype=torch.float16, device=DEVICE)  # d=128: 200 KiB of buffers
+    k_cache = torch.randn(4, 16, 2, 128, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 32], dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, tables, qsl, lens, 128**-0.5, 1, 32)
+    pa.paged_attention(*args, num_kv_splits=1)
+    monkeypatch.setattr(pa, "max_shared_memory", lambda device: 166912)
+    small = pa.paged_attention(*args, num_kv_splits=1)
+    assert seen == [(128, 4), (64, 2)]
+    ref = pa.paged_attention_ref(q, k_cache, v_cache, tables, qsl, lens, 128**-0.5)
+    torch.testing.assert_close(small.float(), ref.float(), atol=2e-3, rtol=2e-3)
