@@ -40,6 +40,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from deepbatch.distributed.parallel_state import current_tp_group
 from deepbatch.kernels.mla_decode import mla_attention_ref
@@ -243,17 +244,16 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      pad_value: bool | None = None) -> torch.Tensor:
     """SDPA of one request's ``q_len`` newest positions over its ``seq_len`` keys, under the causal
     rule of :mod:`deepbatch.kernels.paged_attention`: ``[q_len, H, Dq]``, ``[seq_len, H, Dq]`` and
-    ``[seq_len, H, Dv]`` in, ``[q_len, H, Dv]`` out. ``pad_value`` (default: on CUDA, without a mask)
-    zero-pads the values to the key width, which the flash backend needs."""
+    ``[seq_len, H, Dv]`` in, ``[q_len, H, Dv]`` out. ``pad_value`` (default: on CUDA) zero-pads the
+    values to the key width, which the flash backend needs."""
     q_len, seq_len = query.shape[0], key.shape[0]
     causal = q_len == seq_len
-    mask = None
-    if not causal:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-        mask = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+    # A chunk over cached context: the causal diagonal aligned to the last key, which SDPA takes as
+    # a bias object (no [q_len, seq_len] mask built, and the fused backends stay eligible).
+    mask = None if causal else causal_lower_right(q_len, seq_len)
     dv = value.shape[-1]
     if pad_value is None:
-        pad_value = query.is_cuda and causal
+        pad_value = query.is_cuda
     if pad_value and dv < key.shape[-1]:
         value = F.pad(value, (0, key.shape[-1] - dv))
     # Batched 4-D inputs: the fused SDPA backends take nothing else.
