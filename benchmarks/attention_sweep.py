@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import paged_attention as pa
 
 
@@ -50,28 +51,17 @@ def main():
     kv_bytes = int(seq_lens.sum()) * hkv * d * 2 * k_cache.element_size()
     small_m = max(16, 1 << (hq // hkv - 1).bit_length())
 
-    def time_it(fn, reps=50):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e3  # us
-
     ref = pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len, num_kv_splits=1)
     rows = []
-    us = time_it(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len, out))
+    us = device_time_us(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len,
+                                                   out), 50)
     rows.append({"setting": "wrapper default", "us": us, "TB/s": kv_bytes / us / 1e6})
     for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
         def run():
             pa._launch(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, out, block_m=small_m, min_q_len=0,
                        max_q_len=pa._INT32_MAX, tile_n=tile_n, num_warps=warps, num_stages=stages)
         try:
-            us = time_it(run)
+            us = device_time_us(run, 50)
         except Exception as e:  # a setting that does not compile (shared memory) is reported
             rows.append({"setting": f"tile_n={tile_n} warps={warps} stages={stages}", "error": str(e)[:120]})
             continue

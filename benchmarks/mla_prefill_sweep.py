@@ -14,29 +14,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 
 import torch
 
+from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import mla_decode as mla
 from deepbatch.layers.mla import causal_attention
-
-
-def time_it(fn, reps=10):
-    if not torch.cuda.is_available():  # a CPU smoke run under TRITON_INTERPRET=1: wall time
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3  # us
 
 
 def main():
@@ -72,7 +55,8 @@ def main():
     out = torch.empty_like(q_lat)
     block_h = min(16, 1 << (h - 1).bit_length())
     rows.append({"setting": "absorbed, wrapper default",
-                 "us": time_it(lambda: mla.mla_attention(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale, n, n))})
+                 "us": device_time_us(lambda: mla.mla_attention(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale,
+                                                                n, n), 10)})
     grid = [(32, 32, 8, 2)] if args.quick else itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2))
     for bm, tile_n, warps, stages in grid:
         def run():
@@ -80,7 +64,7 @@ def main():
                         mla._INT32_MAX, 1, tile_n=tile_n, num_warps=warps, num_stages=stages)
         name = f"absorbed, block_m={bm} tile_n={tile_n} warps={warps} stages={stages}"
         try:
-            rows.append({"setting": name, "us": time_it(run)})
+            rows.append({"setting": name, "us": device_time_us(run, 10)})
         except Exception as e:  # shared memory or registers exceeded
             rows.append({"setting": name, "error": str(e)[:120]})
     for row in rows:
@@ -110,7 +94,7 @@ def main():
             query[: n // 2], key[:n], v[:n], scale),
     }
     for name, fn in parts.items():
-        rows.append({"setting": name, "us": time_it(fn)})
+        rows.append({"setting": name, "us": device_time_us(fn, 10)})
     rows[-2]["TFLOP/s"] = pairs * 2 * (dn + p + dv) / rows[-2]["us"] / 1e6
 
     print(f"MLA prefill: {b} prompts x {n} tokens, {h} heads, R={r}, P={p}, Dn={dn}, Dv={dv}")

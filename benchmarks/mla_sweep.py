@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import mla_decode as mla
 
 
@@ -44,23 +45,11 @@ def main():
     scale = (128 + p) ** -0.5
     latent_bytes = int(seq_lens.sum()) * (r + p) * cache.element_size()
 
-    def time_it(fn, reps=30):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e3  # us
-
     def attend(**kw):
         return mla.mla_attention(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale, 1, max_len, **kw)
 
     ref = attend(num_kv_splits=1)
-    rows = [{"setting": "wrapper default", "us": time_it(attend)}]
+    rows = [{"setting": "wrapper default", "us": device_time_us(attend, 30)}]
     block_h = min(16, 1 << (h - 1).bit_length())
     for splits, tile_n, warps, stages in itertools.product((1, 2, 4), (32, 64), (4, 8), (1, 2, 3)):
         out = torch.empty_like(q_lat)
@@ -79,7 +68,7 @@ def main():
 
         name = f"splits={splits} tile_n={tile_n} warps={warps} stages={stages}"
         try:
-            us = time_it(run)
+            us = device_time_us(run, 30)
             ok = torch.allclose(run().float(), ref.float(), atol=3e-2, rtol=3e-2)
         except Exception as e:  # a setting that does not compile (shared memory, registers) is reported
             rows.append({"setting": name, "error": str(e)[:120]})

@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import fused_moe as fm
 from deepbatch.kernels.silu_and_mul import silu_and_mul
 
@@ -35,18 +36,6 @@ def main():
     weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
     report = {"args": vars(args), "cases": []}
 
-    def time_it(fn, reps=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps * 1e3  # us
-
     for t in (int(x) for x in args.tokens.split(",")):
         g = torch.Generator(dev).manual_seed(t)
         x = torch.randn(t, hdim, device=dev, dtype=dtype, generator=g)
@@ -54,7 +43,7 @@ def main():
         wts = torch.rand(t, k, device=dev, generator=g)
         ref = fm.fused_moe(x, w13, w2, wts, ids)
         flops = 2 * t * k * (2 * inter * hdim + hdim * inter)
-        rows = [{"setting": "wrapper default", "us": time_it(lambda: fm.fused_moe(x, w13, w2, wts, ids))}]
+        rows = [{"setting": "wrapper default", "us": device_time_us(lambda: fm.fused_moe(x, w13, w2, wts, ids), 20)}]
         per_expert = t * k / e
         for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (3, 4)):
             if bm > 2 * max(16, per_expert):  # tiles mostly padding at this batch
@@ -73,7 +62,7 @@ def main():
 
             name = f"block_m={bm} block_n={bn} block_k={bk} warps={warps} stages={stages}"
             try:
-                us = time_it(run)
+                us = device_time_us(run, 20)
                 ok = torch.allclose(run().float(), ref.float(), atol=2e-2, rtol=2e-2)
             except Exception as exc:  # shared memory or registers exceeded
                 rows.append({"setting": name, "error": str(exc)[:120]})
