@@ -1,10 +1,14 @@
 """MLA prefill on the GPU, the two forms side by side on one prefill step's shapes (default: 8
 fresh prompts of 1,024 tokens, DeepSeek-V2-Lite's 16 heads, R=512, P=64, Dn=Dv=128, bf16):
 
-- absorbed: the latent-space Triton kernel's tall-tile launch for every (block_m, tile_n,
-  num_warps, num_stages), with its attention TFLOP/s (2 x (2R + P) per visible key and head);
-- expanded, in parts: gathering the latents, the ``kv_b_proj`` GEMM, assembling the keys, and
-  SDPA per request (``layers.mla.causal_attention``), so the slow part of that path shows.
+- absorbed: the latent-space Triton kernel as the wrapper launches it (with ``--absorbed-grid``
+  also its tall-tile launch for every block_m, tile_n, num_warps, num_stages), with its
+  attention TFLOP/s (2 x (2R + P) per visible key and head);
+- expanded, in parts: the ``kv_b_proj`` GEMM over the step's tokens, the absorbed context-only
+  launch (no context here: the cost of a launch whose programs return at once), and the
+  expanded kernel (``kernels/mla_prefill.py``) for every (block_m, tile_n, num_warps,
+  num_stages), each checked against the default setting, with its attention TFLOP/s
+  (2 x (Dn + P + Dv) per visible key and head).
 
     python benchmarks/mla_prefill_sweep.py --prompts 8 --prompt-len 1024 --output-json mla-prefill.json
 """
@@ -19,7 +23,7 @@ import torch
 
 from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import mla_decode as mla
-from deepbatch.layers.mla import causal_attention
+from deepbatch.kernels.mla_prefill import mla_prefill
 
 
 def main():
@@ -33,7 +37,8 @@ def main():
     ap.add_argument("--v-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--output-json", default=None)
-    ap.add_argument("--quick", action="store_true", help="one absorbed setting (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="one setting of each kernel (a smoke run)")
+    ap.add_argument("--absorbed-grid", action="store_true", help="sweep the absorbed kernel's settings too")
     args = ap.parse_args()
     dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     b, n, h, r, p, bs = args.prompts, args.prompt_len, args.num_heads, args.kv_lora_rank, args.rope_dim, args.block_size
@@ -57,7 +62,9 @@ def main():
     rows.append({"setting": "absorbed, wrapper default",
                  "us": device_time_us(lambda: mla.mla_attention(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale,
                                                                 n, n), 10)})
-    grid = [(32, 32, 8, 2)] if args.quick else itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2))
+    grid = [(32, 32, 8, 2)]
+    if args.absorbed_grid and not args.quick:
+        grid = itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2))
     for bm, tile_n, warps, stages in grid:
         def run():
             mla._launch(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale, out, None, block_h, bm, 0,
@@ -71,37 +78,46 @@ def main():
         if "us" in row:
             row["TFLOP/s"] = pairs * 2 * (2 * r + p) / row["us"] / 1e6
 
-    # The expanded path's parts, as layers/mla.py runs them for one group of requests.
-    ids = block_tables.flatten().long()
-    latent = cache[ids].flatten(0, 2)
-    c_kv, k_pe = latent.split([r, p], dim=-1)
-    kv = torch.nn.functional.linear(c_kv, w_kv_b).view(-1, h, dn + dv)
+    # The expanded path's parts, as layers/mla.py runs them on a step without cached context.
+    c_kv = cache[block_tables.flatten().long()].flatten(0, 2)[:t, :r]
+    kv = torch.nn.functional.linear(c_kv, w_kv_b).view(t, h, dn + dv)
     k_nope, v = kv.split([dn, dv], dim=-1)
-    key = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1)
-    query = torch.cat((q_nope, q_pe), dim=-1)
+    k_pe = torch.randn(t, r + p, device=dev, dtype=dtype)[:, r:]
+    o = torch.randn(t, h, dv, device=dev, dtype=dtype)
+    lse = torch.empty(t, h, device=dev, dtype=torch.float32)
+    rows.append({"setting": "expanded: kv_b_proj GEMM",
+                 "us": device_time_us(lambda: torch.nn.functional.linear(c_kv, w_kv_b), 10)})
+    rows.append({"setting": "expanded: absorbed context-only launch (no context)",
+                 "us": device_time_us(lambda: mla.mla_attention(q_lat, q_pe, cache, block_tables, qsl, seq_lens,
+                                                                scale, n, n, out=out, context_lse=lse), 10)})
+    lse.fill_(float("-inf"))
 
-    def sdpa_all():
-        for i in range(b):
-            causal_attention(query[i * n:(i + 1) * n], key[i * blocks * bs:i * blocks * bs + n],
-                             v[i * blocks * bs:i * blocks * bs + n], scale)
+    def expanded(**kw):
+        return mla_prefill(q_nope, q_pe, k_nope, k_pe, v, qsl, scale, n, o, lse, **kw)
 
-    parts = {
-        "expanded: gather latents": lambda: cache[ids].flatten(0, 2),
-        "expanded: kv_b_proj GEMM": lambda: torch.nn.functional.linear(c_kv, w_kv_b),
-        "expanded: assemble keys": lambda: torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)), dim=-1),
-        "expanded: SDPA per request (causal)": sdpa_all,
-        "expanded: SDPA, one request with a masked (chunked) context": lambda: causal_attention(
-            query[: n // 2], key[:n], v[:n], scale),
-    }
-    for name, fn in parts.items():
-        rows.append({"setting": name, "us": device_time_us(fn, 10)})
-    rows[-2]["TFLOP/s"] = pairs * 2 * (dn + p + dv) / rows[-2]["us"] / 1e6
+    want = expanded().clone()
+    settings = [(None, None, None, None)]
+    if not args.quick:
+        settings += [s for s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)) if s[1] <= s[0]]
+    for bm, tile_n, warps, stages in settings:
+        name = ("expanded: kernel, wrapper default" if bm is None
+                else f"expanded: kernel, block_m={bm} tile_n={tile_n} warps={warps} stages={stages}")
+        kw = dict(block_m=bm, tile_n=tile_n, num_warps=warps, num_stages=stages)
+        try:
+            us = device_time_us(lambda: expanded(**kw), 10)
+            ok = torch.allclose(expanded(**kw).float(), want.float(), atol=2e-2, rtol=2e-2)
+        except Exception as e:  # shared memory or registers exceeded
+            rows.append({"setting": name, "error": str(e)[:120]})
+            continue
+        rows.append({"setting": name, "us": us, "matches": ok,
+                     "TFLOP/s": pairs * 2 * (dn + p + dv) / us / 1e6})
 
     print(f"MLA prefill: {b} prompts x {n} tokens, {h} heads, R={r}, P={p}, Dn={dn}, Dv={dv}")
     for row in sorted(rows, key=lambda row: (not row["setting"].startswith("expanded"), row.get("us", 1e18))):
         if "us" in row:
             tf = f"{row['TFLOP/s']:7.1f} TFLOP/s" if "TFLOP/s" in row else ""
-            print(f"{row['setting']:<64} {row['us']:>9.1f} us {tf}")
+            bad = "" if row.get("matches", True) else " MISMATCH"
+            print(f"{row['setting']:<64} {row['us']:>9.1f} us {tf}{bad}")
         else:
             print(f"{row['setting']:<64} failed: {row['error']}")
     if args.output_json:

@@ -11,6 +11,11 @@ and the caller applies ``W_UV`` and ``o_proj`` afterwards. Causal semantics are 
 :mod:`deepbatch.kernels.paged_attention`: sequence ``i`` owns query rows
 ``query_start_loc[i] : query_start_loc[i+1]``, the last ``q_len`` positions of its ``seq_lens[i]``
 cached tokens; row ``j`` sees keys ``0 .. seq_len - q_len + j``.
+
+With ``context_lse`` the same kernel gives the other half of the expanded MLA prefill
+(:mod:`deepbatch.kernels.mla_prefill`): only sequences with ``q_len >= 2`` are computed, over
+their cached context ``0 .. seq_len - q_len - 1`` alone, and each row's log-sum-exp of scaled
+scores (log2 units, ``-inf`` with no context, whose rows get zeros) is written beside it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ def mla_attention_ref(
     out: torch.Tensor | None = None,
     *,
     max_q_len: int | None = None,
+    context_lse: torch.Tensor | None = None,  # [T, H] float32
 ) -> torch.Tensor:
     """Plain PyTorch reference, one sequence at a time, in float32; also the CPU backend.
-    ``max_q_len``: as in :func:`mla_attention`."""
+    ``max_q_len`` and ``context_lse``: as in :func:`mla_attention`."""
     if out is None:
         out = torch.empty_like(q_latent)
     rank = q_latent.shape[-1]
@@ -43,16 +49,20 @@ def mla_attention_ref(
     for i, seq_len in enumerate(seq_lens.tolist()):
         qs, qe = qsl[i], qsl[i + 1]
         q_len = qe - qs
-        if q_len == 0 or (max_q_len is not None and q_len > max_q_len):
+        if q_len == 0 or (max_q_len is not None and q_len > max_q_len) or (context_lse is not None and q_len < 2):
             continue
-        kv = gather_kv(latent_cache, block_tables[i], seq_len)[:, 0].float()  # [L, R+P]
+        num_keys = seq_len - q_len if context_lse is not None else seq_len
+        kv = gather_kv(latent_cache, block_tables[i], num_keys)[:, 0].float()  # [L, R+P]
         c_kv, k_pe = kv[:, :rank], kv[:, rank:]
         ql = q_latent[qs:qe].float().transpose(0, 1)  # [H, q_len, R]
         qp = q_pe[qs:qe].float().transpose(0, 1)  # [H, q_len, P]
         scores = (ql @ c_kv.T + qp @ k_pe.T) * scale  # [H, q_len, L]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        if context_lse is None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        else:  # every row sees the whole context; an empty one gives lse -inf and zeros
+            context_lse[qs:qe] = (torch.logsumexp(scores, -1) * _LOG2E).transpose(0, 1)
         out[qs:qe] = (scores.softmax(-1) @ c_kv).transpose(0, 1).to(out.dtype)
     return out
 
@@ -74,7 +84,7 @@ def _mla_attention_kernel(
     stride_cb, stride_ct, stride_bt,
     KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr, CONTEXT_ONLY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -107,7 +117,10 @@ def _mla_attention_kernel(
 
     # Keys past the tile's last query are invisible to all of its rows; the rest are cut into
     # ``num_splits`` ranges of whole tiles (trailing ranges may be empty).
-    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    if CONTEXT_ONLY:
+        kv_end = context_len
+    else:
+        kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), TILE_N) * TILE_N
     kv_lo = split * per_split
     kv_hi = tl.minimum(kv_end, kv_lo + per_split)
@@ -144,8 +157,9 @@ def _mla_attention_kernel(
     o_off = split.to(tl.int64) * stride_os + tok * stride_ot + head * stride_oh
     tl.store(out_ptr + o_off[:, None] + r_dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & r_ok[None, :])
-    if SPLIT:
-        # Every split writes its log-sum-exp, -inf where it saw no key: the merge weighs it 0.
+    if WRITE_LSE:
+        # Every split (or context part) writes its log-sum-exp, -inf where it saw no key: the
+        # merge weighs it 0.
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + split.to(tl.int64) * stride_ls + tok * stride_lt + head, lse, mask=row_valid)
 
@@ -190,6 +204,7 @@ def mla_attention(
     *,
     num_kv_splits: int | None = None,
     max_q_len: int | None = None,
+    context_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`mla_attention_ref` (same semantics; module docstring).
 
@@ -199,7 +214,9 @@ def mla_attention(
     merges the partial results in float32 (only for ``max_query_len <= 1``). Without splits, rows
     past ``query_start_loc[-1]`` are not written; with splits their values are unspecified.
     ``max_q_len``: sequences with more query rows are skipped and their rows not written (the
-    expanded MLA prefill computes them); ``max_seq_len`` may then be the maximum of the others."""
+    expanded MLA prefill computes them); ``max_seq_len`` may then be the maximum of the others.
+    ``context_lse`` (contiguous float32 ``[T, H]``): the context-only mode of the module docstring;
+    rows of sequences with ``q_len < 2`` are then not written."""
     if triton is None:
         raise RuntimeError("mla_attention: Triton is not installed; use mla_attention_ref")
     _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
@@ -209,6 +226,12 @@ def mla_attention(
                          f"with max_query_len <= 1 (got {max_query_len})")
     if max_q_len is not None and max_q_len < 1:
         raise ValueError(f"mla_attention: max_q_len must be None or >= 1, got {max_q_len}")
+    if context_lse is not None and (
+            context_lse.dtype != torch.float32 or context_lse.shape != q_latent.shape[:2]
+            or context_lse.stride() != (q_latent.shape[1], 1) or context_lse.device != q_latent.device
+            or max_q_len is not None or num_kv_splits not in (None, 1)):
+        raise ValueError(f"mla_attention: context_lse must be contiguous float32 {tuple(q_latent.shape[:2])} on "
+                         f"{q_latent.device}, without max_q_len or KV splits")
     if out is None:
         out = torch.empty_like(q_latent)
     num_tokens, num_heads, rank = q_latent.shape
@@ -220,6 +243,12 @@ def mla_attention(
     # outgrows the registers at R = 512.
     block_h = min(16, triton.next_power_of_2(num_heads))
     head_blocks = triton.cdiv(num_heads, block_h)
+    if context_lse is not None:
+        if max_query_len >= 2:
+            big_m = max(16, block_h, min(32 if rank >= 256 else 64, triton.next_power_of_2(max_query_len * block_h)))
+            _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, context_lse,
+                    block_h, big_m, 2, _INT32_MAX, 1, context_only=True)
+        return out
     if num_kv_splits is None:
         num_kv_splits = 1
         if max_query_len <= 1:
@@ -256,9 +285,11 @@ def mla_attention(
 
 
 def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, lse,
-            block_h, block_m, min_q_len, max_q_len, num_splits, tile_n=None, num_warps=None, num_stages=None):
+            block_h, block_m, min_q_len, max_q_len, num_splits, tile_n=None, num_warps=None, num_stages=None,
+            context_only=False):
     """One launch over sequences whose q_len lies in ``[min_q_len, max_q_len]``. ``out`` is
-    ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``.
+    ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``;
+    ``context_only``: keys before each sequence's new tokens only, with ``lse [T, H]``.
     ``tile_n``/``num_warps``/``num_stages`` override the defaults (benchmarks/mla_sweep.py)."""
     num_tokens, num_heads, rank = q_latent.shape
     rope = q_pe.shape[2]
@@ -267,7 +298,7 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
     block_r = triton.next_power_of_2(rank)
     split = num_splits > 1
     o_strides = out.stride() if split else (0, *out.stride())
-    l_strides = lse.stride()[:2] if split else (0, 0)
+    l_strides = lse.stride()[:2] if split else (0, lse.stride(0)) if context_only else (0, 0)
     grid = (num_tokens // block_q + num_seqs, triton.cdiv(num_heads, block_h), num_splits)
     # (tile_n, warps, stages). Decode tiles of 16-bit latents at R = 512: 64 keys, 4 warps, 3 stages
     # ran best of 36 settings on an H200 (1.45 TB/s vs 1.08 with 32 keys, 8 warps, 2 stages).
@@ -278,14 +309,14 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
     else:
         tiles = (32 if block_r >= 256 else 64, 8 if block_r * block_m >= 8192 else 4, 2)
     _mla_attention_kernel[grid](
-        q_latent, q_pe, latent_cache, out, lse if split else out, block_tables, query_start_loc, seq_lens,
+        q_latent, q_pe, latent_cache, out, lse if lse is not None else out, block_tables, query_start_loc, seq_lens,
         scale * _LOG2E, num_seqs, num_heads, min_q_len, max_q_len,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         o_strides[0], o_strides[1], o_strides[2], l_strides[0], l_strides[1],
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
         KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_Q=block_q,
-        TILE_N=tile_n or tiles[0], SPLIT=split,
+        TILE_N=tile_n or tiles[0], WRITE_LSE=split or context_only, CONTEXT_ONLY=context_only,
         PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         num_warps=num_warps or tiles[1], num_stages=num_stages or tiles[2],
     )

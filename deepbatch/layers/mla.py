@@ -20,12 +20,16 @@ instead, where the absorbed form costs ``(2R + P) / (Dn + P + Dv)`` times the ex
 (576 + 512 against 192 + 128 multiply-adds per key and head for DeepSeek-V2-Lite, 3.4x). ``prefill_mode``
 (``EngineConfig.mla_prefill``) picks the form of requests with more than one new token:
 
-* ``"absorbed"`` (the default): every row of every step takes the absorbed path.
-* ``"expanded"``: a step's prefill chunks gather their requests' cached latents, decompress them
-  with one ``kv_b_proj`` GEMM into ``k_nope`` and ``v``, and attend over ``[k_nope | k_pe]`` with
-  SDPA, one request at a time; the step's decodes still take the absorbed kernel, which skips
-  the chunks' rows. It reads per-request lengths on the host (``ForwardBatch.host_lens``), so
-  such steps are never captured in a CUDA graph; decode-only steps are unchanged.
+* ``"absorbed"``: every row of every step takes the absorbed path.
+* ``"expanded"`` (the default): a chunk's attention is split at its first new token::
+
+      keys [0, context_len)         cached latents: absorbed (mla_attention, context only)
+      keys [context_len, seq_len)   this step's tokens: k_nope, v = kv_b_proj(c_kv), expanded
+                                    (mla_prefill), merged with the context part by log-sum-exp
+
+  One ``kv_b_proj`` GEMM over the step's tokens decompresses the new keys and values; nothing is
+  gathered and no length is read on the host, so such steps replay CUDA graphs like any other.
+  Decodes stay absorbed, and so does cached context (prefix hits, earlier chunks).
 
 Under tensor parallelism the heads are split (``q_proj``/``q_b_proj`` and ``kv_b_proj``
 column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
@@ -35,15 +39,13 @@ column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from deepbatch.distributed.parallel_state import current_tp_group
 from deepbatch.kernels.mla_decode import mla_attention_ref
+from deepbatch.kernels.mla_prefill import mla_prefill_ref
 from deepbatch.layers.attention import AttentionBackend
 from deepbatch.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from deepbatch.layers.norm import RMSNorm
@@ -157,106 +159,45 @@ class MultiHeadLatentAttention(nn.Module):
         # twice into the same slot, which is idempotent and keeps one write kernel.
         self.backend.write_kv(latent, latent, self.latent_cache, self.latent_cache, batch.slot_mapping)
 
-        if self.prefill_mode == "expanded" and batch.max_query_len > 1:
-            o = self._attend_mixed(q_nope, q_pe, batch)
-        else:
-            o = self._attend_absorbed(q_nope, q_pe, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                      batch.max_query_len, batch.max_seq_len)
+        o = self._attend(q_nope, q_pe, c_kv, k_pe[:, 0], batch)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
-    def _attend_absorbed(self, q_nope, q_pe, block_tables, query_start_loc, seq_lens, max_query_len: int,
-                         max_seq_len: int, max_q_len: int | None = None) -> torch.Tensor:
-        """``[T, H, Dv]`` through the latent space; with ``max_q_len``, rows of longer requests are
-        left for another path (whatever they hold is to be overwritten)."""
+    def _attend(self, q_nope, q_pe, c_kv, k_pe, batch: ForwardBatch) -> torch.Tensor:
+        """``[T, H, Dv]``: every row through the latent space, or in expanded mode the rows of
+        prefill chunks as the module docstring draws them."""
+        T = q_nope.shape[0]
         w_uk, w_uv = self._absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H, T, Dn] @ [H, Dn, R] -> [T, H, R]
+        expanded = self.prefill_mode == "expanded" and batch.max_query_len > 1
+        if not expanded:
+            o_latent = self._latent_attention(q_latent, q_pe, batch)
+        else:
+            # Decodes over their whole context; chunks over their cached context only, with the
+            # log-sum-exp that merges in their attention over the new tokens below.
+            o_latent = torch.empty_like(q_latent)
+            lse = torch.empty(T, self.num_heads, dtype=torch.float32, device=q_latent.device)
+            self._latent_attention(q_latent, q_pe, batch, out=o_latent, max_q_len=1)
+            self._latent_attention(q_latent, q_pe, batch, out=o_latent, context_lse=lse)
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [H, T, R] @ [H, R, Dv]
+        if expanded:
+            kv = self.kv_b_proj(c_kv).view(T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+            k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            if self.backend.name == "triton":
+                from deepbatch.kernels.mla_prefill import mla_prefill
+
+                mla_prefill(q_nope, q_pe, k_nope, k_pe, v, batch.query_start_loc, self.scale, batch.max_query_len,
+                            o, lse)
+            else:
+                mla_prefill_ref(q_nope, q_pe, k_nope, k_pe, v, batch.query_start_loc, self.scale, o, lse)
+        return o
+
+    def _latent_attention(self, q_latent, q_pe, batch: ForwardBatch, **kwargs) -> torch.Tensor:
+        """``[T, H, R]``: absorbed attention over the latent cache (``kwargs``: ``out``,
+        ``max_q_len``, ``context_lse`` of :func:`~deepbatch.kernels.mla_decode.mla_attention`)."""
+        args = (q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                self.scale)
         if self.backend.name == "triton":
             from deepbatch.kernels.mla_decode import mla_attention
 
-            o_latent = mla_attention(q_latent, q_pe, self.latent_cache, block_tables, query_start_loc, seq_lens,
-                                     self.scale, max_query_len, max_seq_len, max_q_len=max_q_len)
-        else:
-            o_latent = mla_attention_ref(q_latent, q_pe, self.latent_cache, block_tables, query_start_loc, seq_lens,
-                                         self.scale, max_q_len=max_q_len)
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, R] @ [H, R, Dv] -> [H, T, Dv]
-        return o.transpose(0, 1)
-
-    def _attend_mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``[T, H, Dv]`` of a step with prefill chunks: decodes absorbed, chunks expanded."""
-        T = q_nope.shape[0]
-        q_lens, seq_lens = batch.host_lens()
-        starts = list(accumulate(q_lens, initial=0))
-        o = q_nope.new_empty(T, self.num_heads, self.v_head_dim)
-        if starts[-1] < T:  # rows of no request (none in eager steps): defined, never read
-            o[starts[-1]:].zero_()
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        if decodes:
-            # The requests from the first decode to the last, as one slice of the batch: chunks
-            # among them are skipped by the kernel and their rows overwritten below.
-            first, last = decodes[0], decodes[-1] + 1
-            lo, hi = starts[first], starts[last]
-            qsl = batch.query_start_loc[first : last + 1]
-            o[lo:hi] = self._attend_absorbed(
-                q_nope[lo:hi], q_pe[lo:hi], batch.block_tables[first:last], qsl - lo if lo else qsl,
-                batch.seq_lens[first:last], max(q_lens[first:last]), max(seq_lens[i] for i in decodes), max_q_len=1,
-            )
-        chunks = [i for i, n in enumerate(q_lens) if n > 1]
-        for group in self._gather_groups(chunks, seq_lens, T):
-            self._attend_expanded(q_nope, q_pe, batch.block_tables, group, starts, seq_lens, o)
-        return o
-
-    def _gather_groups(self, chunks: list[int], seq_lens: list[int], num_tokens: int) -> list[list[int]]:
-        """The chunks in groups whose cached tokens (whole blocks) are decompressed at once: one
-        GEMM for many short prompts, while a group's keys and values stay within what the step's
-        token count or its longest request needs (what the runner's memory profile measures)."""
-        bs = self.latent_cache.shape[1]
-        groups, size = [], 0
-        for i in chunks:
-            n = -(-seq_lens[i] // bs) * bs
-            if not groups or size + n > num_tokens:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += n
-        return groups
-
-    def _attend_expanded(self, q_nope, q_pe, block_tables, group: list[int], starts: list[int], seq_lens: list[int],
-                         o: torch.Tensor) -> None:
-        """Writes the rows of the chunks in ``group`` into ``o``: their cached latents, whole blocks,
-        decompressed by one ``kv_b_proj`` GEMM, then causal SDPA request by request."""
-        bs = self.latent_cache.shape[1]
-        num_blocks = [-(-seq_lens[i] // bs) for i in group]
-        ids = torch.cat([block_tables[i, :nb] for i, nb in zip(group, num_blocks)]).long()
-        latent = self.latent_cache[ids].flatten(0, 2)  # [sum(blocks) * bs, R + P]
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        key = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)  # [L, H, Dn + P]
-        offset = 0
-        for i, nb in zip(group, num_blocks):
-            rows, keys = slice(starts[i], starts[i + 1]), slice(offset, offset + seq_lens[i])
-            query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q_len, H, Dn + P]
-            o[rows] = causal_attention(query, key[keys], v[keys], self.scale)
-            offset += nb * bs
-
-
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     pad_value: bool | None = None) -> torch.Tensor:
-    """SDPA of one request's ``q_len`` newest positions over its ``seq_len`` keys, under the causal
-    rule of :mod:`deepbatch.kernels.paged_attention`: ``[q_len, H, Dq]``, ``[seq_len, H, Dq]`` and
-    ``[seq_len, H, Dv]`` in, ``[q_len, H, Dv]`` out. ``pad_value`` (default: on CUDA) zero-pads the
-    values to the key width, which the flash backend needs."""
-    q_len, seq_len = query.shape[0], key.shape[0]
-    causal = q_len == seq_len
-    # A chunk over cached context: the causal diagonal aligned to the last key, which SDPA takes as
-    # a bias object (no [q_len, seq_len] mask built, and the fused backends stay eligible).
-    mask = None if causal else causal_lower_right(q_len, seq_len)
-    dv = value.shape[-1]
-    if pad_value is None:
-        pad_value = query.is_cuda
-    if pad_value and dv < key.shape[-1]:
-        value = F.pad(value, (0, key.shape[-1] - dv))
-    # Batched 4-D inputs: the fused SDPA backends take nothing else.
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)  # [1, H, q_len, Dv']
-    return out[0, ..., :dv].transpose(0, 1)
+            return mla_attention(*args, batch.max_query_len, batch.max_seq_len, **kwargs)
+        return mla_attention_ref(*args, **kwargs)

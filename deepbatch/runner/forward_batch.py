@@ -10,9 +10,8 @@ Tokens of all scheduled requests are packed without padding::
     logits_indices:   rows whose hidden state is sampled (the last row of each request whose
                       chunk reaches its newest token)
 
-``query_lens_cpu`` / ``seq_lens_cpu`` are optional host copies of the per-request lengths, for
-layers that pick per-request work on the host (the expanded MLA prefill) without waiting for
-the device; graph-captured batches leave them None.
+Layers never read the per-request lengths on the host: a step's work comes from shapes and the
+two host maxima, so the same forward can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,16 +32,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] int64
     max_query_len: int
     max_seq_len: int
-    query_lens_cpu: list[int] | None = None  # [B] new tokens per request, on the host
-    seq_lens_cpu: list[int] | None = None  # [B] seq_lens on the host
-
-    def host_lens(self) -> tuple[list[int], list[int]]:
-        """``(query_lens, seq_lens)`` as host lists: the copies when present, else read from the
-        device (which waits for it)."""
-        if self.query_lens_cpu is not None and self.seq_lens_cpu is not None:
-            return list(self.query_lens_cpu), list(self.seq_lens_cpu)
-        qsl = self.query_start_loc.tolist()
-        return [end - start for start, end in zip(qsl, qsl[1:])], self.seq_lens.tolist()
 
     @property
     def num_tokens(self) -> int:

@@ -45,12 +45,9 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
-        mla_layers = [a for a in self.attn_layers if isinstance(a, MultiHeadLatentAttention)]
-        for a in mla_layers:
-            a.prefill_mode = config.mla_prefill
-        # The expanded MLA prefill reads per-request lengths on the host: its steps cannot be
-        # captured, and its memory grows with the context of the chunks it decompresses.
-        self.expanded_mla = bool(mla_layers) and config.mla_prefill == "expanded"
+        for a in self.attn_layers:
+            if isinstance(a, MultiHeadLatentAttention):
+                a.prefill_mode = config.mla_prefill
         # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
         self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False)
         self.kv_caches: list[list[torch.Tensor]] = []
@@ -90,9 +87,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs * self.max_model_len)
-        # A full budget of new tokens behind the longest context: what the expanded MLA prefill
-        # can decompress at once (it groups a step's requests up to that many cached tokens).
-        self._dummy_forward(num_tokens, self.max_model_len if self.expanded_mla else None)
+        self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -108,29 +103,22 @@ class ModelRunner:
         return num_blocks
 
     @torch.no_grad()
-    def _dummy_forward(self, num_tokens: int, seq_len: int | None = None) -> None:
-        """A forward over ``num_tokens`` prompt tokens with a scratch KV cache just large enough
-        for them, to measure peak activation memory. With ``seq_len`` above ``num_tokens`` they are
-        the last tokens of a sequence that long, whose context reads the scratch blocks again and
-        again."""
-        bs = self.block_size
-        seq_len = max(seq_len or 0, num_tokens)
-        n_blocks = -(-num_tokens // bs)
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """A forward over one prompt of ``num_tokens`` tokens with a scratch KV cache just large
+        enough for it, to measure peak activation memory."""
+        n_blocks = -(-num_tokens // self.block_size)
         scratch = self._alloc_caches(n_blocks)
         self._bind(scratch)
-        table = torch.arange(-(-seq_len // bs), device=self.device) % n_blocks
         batch = ForwardBatch(
             input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-            positions=torch.arange(seq_len - num_tokens, seq_len, device=self.device) % self.max_model_len,
+            positions=torch.arange(num_tokens, device=self.device) % self.max_model_len,
             slot_mapping=torch.arange(num_tokens, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=self.device),
-            block_tables=table.to(torch.int32).unsqueeze(0),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
             logits_indices=torch.tensor([num_tokens - 1], device=self.device),
             max_query_len=num_tokens,
-            max_seq_len=seq_len,
-            query_lens_cpu=[num_tokens],
-            seq_lens_cpu=[seq_len],
+            max_seq_len=num_tokens,
         )
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.model.compute_logits(hidden[batch.logits_indices])
@@ -172,9 +160,6 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         mixed = self.mixed_graphs()
-        if self.expanded_mla and self.config.cuda_graph_mode == "full":
-            logger.info("mla_prefill=expanded: steps with prefill chunks run eagerly (the expanded MLA path "
-                        "reads per-request lengths on the host); decode steps keep their CUDA graphs")
         sched = self.config.scheduler
         graphs = CudaGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
                             max_num_batched_tokens=sched.max_num_batched_tokens if mixed else None)
@@ -189,9 +174,9 @@ class ModelRunner:
     def mixed_graphs(self) -> bool:
         """Whether steps with prefill chunks get CUDA graphs: with ``cuda_graph_mode="full"``, the
         Triton backend (the torch one reads lengths on the host), one process (not measured with
-        tensor parallelism), and no expanded MLA prefill (host lengths again)."""
+        tensor parallelism)."""
         return (self.config.cuda_graph_mode == "full" and self.backend.name == "triton"
-                and self.config.parallel.tensor_parallel_size == 1 and not self.expanded_mla)
+                and self.config.parallel.tensor_parallel_size == 1)
 
     @torch.no_grad()
     def _warm_up_kernels(self) -> None:
@@ -217,8 +202,6 @@ class ModelRunner:
                 logits_indices=torch.tensor([0], device=self.device),
                 max_query_len=max(q_lens),
                 max_seq_len=max(seq_lens),
-                query_lens_cpu=q_lens,
-                seq_lens_cpu=seq_lens,
             )
             self.model(batch.input_ids, batch.positions, batch)
         self.sampler.warm_up()
@@ -287,8 +270,6 @@ class ModelRunner:
             logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
         )
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """The Triton MLA kernel (one pass and split-KV) held to ``mla_attention_ref``, and the reference held
 to ordinary paged attention over the expanded keys. Runs on the CPU through the Triton interpreter."""
 
+import math
 import os
 
 import torch
@@ -139,6 +140,59 @@ def test_max_q_len_skips_longer_sequences(max_q_len):
             assert not out[start:end].isnan().any()
     with pytest.raises(ValueError, match="max_q_len"):
         mla_attention(**batch, max_query_len=mql, max_seq_len=msl, max_q_len=0)
+
+
+def test_context_reference_is_the_absorbed_attention_over_cached_keys():
+    """With ``context_lse`` the reference attends each chunk's cached context alone: its rows equal
+    the plain reference on a batch cut back to that context (the chunk's queries as the last
+    rows of a sequence of ``context_len + q_len`` tokens whose new keys are masked away below),
+    and its lse is the log2-sum-exp of the scaled scores."""
+    torch.manual_seed(7)
+    batch, _, _ = make_batch(MIXED, 4, 32, 8, block_size=16, dtype=torch.float32, device="cpu")
+    num_tokens, heads, rank = batch["q_latent"].shape
+    lse = torch.full((num_tokens, heads), float("nan"))
+    out = mla_attention_ref(**batch, out=torch.full((num_tokens, heads, rank), float("nan")), context_lse=lse)
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    cache = batch["latent_cache"]
+    for i, (start, end, seq_len) in enumerate(zip(qsl, qsl[1:], lens)):
+        q_len = end - start
+        if q_len < 2:
+            assert out[start:end].isnan().all() and lse[start:end].isnan().all()
+            continue
+        ctx = seq_len - q_len
+        keys = cache[batch["block_tables"][i].long()].flatten(0, 1)[:ctx, 0]  # [ctx, R+P]
+        query = torch.cat((batch["q_latent"][start:end], batch["q_pe"][start:end]), dim=-1)  # [q, H, R+P]
+        scores = torch.einsum("qhd,kd->qhk", query, keys) * batch["scale"]
+        if ctx == 0:
+            assert (out[start:end] == 0).all() and (lse[start:end] == float("-inf")).all()
+            continue
+        want = torch.einsum("qhk,kd->qhd", scores.softmax(-1), keys[:, :rank])
+        torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[start:end], torch.logsumexp(scores, -1) / math.log(2), atol=1e-5, rtol=1e-5)
+    assert any(e - s >= 2 and n > e - s for s, e, n in zip(qsl, qsl[1:], lens))  # a chunk with context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_context_mode_matches_reference(dtype):
+    """The kernel's context-only launch: chunk rows and their lse as the reference gives them,
+    decode and padding rows untouched."""
+    torch.manual_seed(8)
+    batch, mql, msl = make_batch(MIXED, 16, 64, 16, block_size=16, dtype=dtype, num_pad_rows=3)
+    q = batch["q_latent"]
+    poisoned = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    ref_lse = torch.full(q.shape[:2], float("nan"))
+    ref = mla_attention_ref(**on_cpu(batch), out=poisoned.cpu(), context_lse=ref_lse)
+    out = mla_attention(**batch, max_query_len=mql, max_seq_len=msl, out=poisoned, context_lse=lse).cpu()
+    written = ~ref_lse.isnan()
+    assert written.any() and not written.all()
+    assert lse.cpu().isnan().equal(~written) and out.isnan().equal(ref.isnan())
+    torch.testing.assert_close(out[written], ref[written], **TOL[dtype])
+    torch.testing.assert_close(lse.cpu()[written], ref_lse[written], **TOL[dtype])
+    with pytest.raises(ValueError, match="context_lse"):
+        mla_attention(**batch, max_query_len=mql, max_seq_len=msl, context_lse=lse[:, :3])
+    with pytest.raises(ValueError, match="context_lse"):
+        mla_attention(**batch, max_query_len=mql, max_seq_len=msl, context_lse=lse, max_q_len=1)
 
 
 def _bad_inputs():

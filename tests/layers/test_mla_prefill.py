@@ -1,11 +1,11 @@
-"""The expanded MLA prefill (``mla_prefill="expanded"``): prefill chunks attend over keys and values
-decompressed by ``kv_b_proj``, decodes beside them stay absorbed. Greedy output is token-identical
-to HF transformers through chunked prefill and prefix-cache hits; one layer gives the absorbed
-path's output on a mixed batch; decode steps still replay their graphs."""
+"""The expanded MLA prefill (``mla_prefill="expanded"``): prefill chunks attend over their new tokens
+expanded (keys and values from one ``kv_b_proj`` GEMM) and over their cached context absorbed,
+merged by log-sum-exp; decodes beside them stay absorbed. Greedy output is token-identical to HF
+transformers through chunked prefill and prefix-cache hits; one layer gives the absorbed path's
+output on a mixed batch; steps with chunks still go through the mixed CUDA graphs."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import deepbatch.kernels.mla_decode as mla_decode
+import deepbatch.kernels.mla_prefill as mla_prefill
 import deepbatch.layers.mla as mla
-from deepbatch import LLM, SamplingParams
+from deepbatch import LLM
 from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deepbatch.layers.attention import make_backend
-from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention, causal_attention
+from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.runner.forward_batch import ForwardBatch
 
 # The tiny DeepSeek checkpoints and the HF reference helpers live beside the model tests.
@@ -28,33 +29,48 @@ from test_hf_parity import make_prompts, ours, shared_prefix_prompts  # noqa: E4
 
 
 class PathLog:
-    """What each path computed: ``(q_len, seq_len)`` of every request attended expanded, and the
-    q_len of every request the absorbed attention computed."""
+    """What each path computed: the q_lens of the requests attended expanded over their new
+    tokens, of those whose whole context the absorbed attention computed, and ``(q_len,
+    context_len)`` of those whose cached context alone it computed."""
 
     def __init__(self, monkeypatch):
-        self.expanded: list[tuple[int, int]] = []
+        self.expanded: list[int] = []
         self.absorbed: list[int] = []
-        expanded, ref, triton = mla.causal_attention, mla.mla_attention_ref, mla_decode.mla_attention
+        self.context: list[tuple[int, int]] = []
 
-        def log_expanded(query, key, *args, **kwargs):
-            self.expanded.append((query.shape[0], key.shape[0]))
-            return expanded(query, key, *args, **kwargs)
+        def lens(query_start_loc, seq_lens):
+            qsl = query_start_loc.tolist()
+            return list(zip([b - a for a, b in zip(qsl, qsl[1:])], seq_lens.tolist()))
 
-        def absorbed(fn):
-            def log(q_latent, q_pe, cache, tables, query_start_loc, *args, max_q_len=None, **kwargs):
+        def expanded(fn):
+            def log(q_nope, q_pe, k_nope, k_pe, v, query_start_loc, *args, **kwargs):
                 qsl = query_start_loc.tolist()
-                self.absorbed += [b - a for a, b in zip(qsl, qsl[1:]) if 0 < b - a <= (max_q_len or b - a)]
-                return fn(q_latent, q_pe, cache, tables, query_start_loc, *args, max_q_len=max_q_len, **kwargs)
+                self.expanded += [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= 2]
+                return fn(q_nope, q_pe, k_nope, k_pe, v, query_start_loc, *args, **kwargs)
             return log
 
-        monkeypatch.setattr(mla, "causal_attention", log_expanded)
-        monkeypatch.setattr(mla, "mla_attention_ref", absorbed(ref))
-        monkeypatch.setattr(mla_decode, "mla_attention", absorbed(triton))
+        def absorbed(fn):
+            def log(q_latent, q_pe, cache, tables, query_start_loc, seq_lens, *args, max_q_len=None,
+                    context_lse=None, **kwargs):
+                for q, s in lens(query_start_loc, seq_lens):
+                    if context_lse is not None and q >= 2:
+                        self.context.append((q, s - q))
+                    elif context_lse is None and 0 < q <= (max_q_len or q):
+                        self.absorbed.append(q)
+                return fn(q_latent, q_pe, cache, tables, query_start_loc, seq_lens, *args, max_q_len=max_q_len,
+                          context_lse=context_lse, **kwargs)
+            return log
+
+        monkeypatch.setattr(mla, "mla_prefill_ref", expanded(mla.mla_prefill_ref))
+        monkeypatch.setattr(mla_prefill, "mla_prefill", expanded(mla_prefill.mla_prefill))
+        monkeypatch.setattr(mla, "mla_attention_ref", absorbed(mla.mla_attention_ref))
+        monkeypatch.setattr(mla_decode, "mla_attention", absorbed(mla_decode.mla_attention))
 
     def assert_split(self):
-        """Chunks, some over cached context, went expanded; the absorbed path saw decodes only."""
-        assert self.expanded and all(q > 1 for q, _ in self.expanded)
-        assert any(q < s for q, s in self.expanded)
+        """Chunks, some over cached context, went expanded with their context absorbed; the
+        absorbed attention over whole contexts saw decodes only."""
+        assert self.expanded and sorted(self.expanded) == sorted(q for q, _ in self.context)
+        assert any(ctx > 0 for _, ctx in self.context)
         assert self.absorbed and set(self.absorbed) == {1}
 
 
@@ -80,7 +96,7 @@ def test_prefix_cache_hits_match_hf(deepseek_checkpoints, arch, monkeypatch):
     assert got == hf_outputs(path, shared_prefix_prompts())
     assert all(o.num_cached_tokens > 0 for o in rest)
     # Every hit's chunk attends over the cached prefix (the one-token one is absorbed).
-    hits = sum(1 for q, s in log.expanded if s > q and s >= 50)
+    hits = sum(1 for _, ctx in log.context if ctx >= 48)
     assert hits >= len(rest) - 1
     log.assert_split()
 
@@ -100,8 +116,7 @@ def test_triton_decodes_beside_expanded_chunks_match_hf(deepseek_checkpoints, mo
 
 BLOCK_SIZE = 4
 # (q_len, seq_len): fresh prompts, decodes (one a one-token prompt), a chunk over cached context
-# that starts and ends mid-block. Two orders: decodes first, and chunks between decodes. The 28
-# tokens make two groups of chunks decompressed together ([3, 18, 2] and [6, 9] cached tokens).
+# that starts and ends mid-block. Two orders: decodes first, and chunks between decodes.
 ORDERS = {
     "decodes-first": [(1, 13), (1, 1), (1, 30), (3, 3), (5, 18), (2, 2), (6, 6), (9, 9)],
     "chunks-among-decodes": [(3, 3), (1, 13), (5, 18), (2, 2), (1, 1), (6, 6), (1, 30), (9, 9)],
@@ -119,8 +134,9 @@ def _layer(arch: str):
     return config, layer, rope
 
 
-def _mixed_batch(lens, num_blocks: int) -> ForwardBatch:
-    """Shuffled, non-contiguous blocks; the new tokens' slots are the last q_len of each request."""
+def _mixed_batch(lens, num_blocks: int, num_pad_tokens: int = 0, num_pad_seqs: int = 0) -> ForwardBatch:
+    """Shuffled, non-contiguous blocks; the new tokens' slots are the last q_len of each request.
+    Padding as a mixed CUDA graph has it: tokens of no sequence, sequences of q_len 0."""
     width = max(-(-s // BLOCK_SIZE) for _, s in lens)
     ids = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width)
     positions, slots, qsl = [], [], [0]
@@ -129,19 +145,21 @@ def _mixed_batch(lens, num_blocks: int) -> ForwardBatch:
         positions.append(pos)
         slots.append(ids[i, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
         qsl.append(qsl[-1] + q)
+    positions.append(torch.zeros(num_pad_tokens, dtype=torch.long))
+    slots.append(torch.full((num_pad_tokens,), -1))
+    qsl += [qsl[-1]] * num_pad_seqs
     q_lens, seq_lens = [q for q, _ in lens], [s for _, s in lens]
+    tables = torch.cat((ids, torch.zeros(num_pad_seqs, width, dtype=ids.dtype)))
     return ForwardBatch(
-        input_ids=torch.zeros(qsl[-1], dtype=torch.long),
+        input_ids=torch.zeros(qsl[-1] + num_pad_tokens, dtype=torch.long),
         positions=torch.cat(positions),
         slot_mapping=torch.cat(slots),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=ids.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens + [0] * num_pad_seqs, dtype=torch.int32),
+        block_tables=tables.to(torch.int32),
         logits_indices=torch.tensor([qsl[-1] - 1]),
-        max_query_len=max(q_lens),
+        max_query_len=max(q_lens) + num_pad_tokens,
         max_seq_len=max(seq_lens),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
     )
 
 
@@ -168,14 +186,31 @@ def test_expanded_matches_absorbed(arch, order, backend, monkeypatch):
         hook = layer.kv_b_proj.register_forward_hook(lambda mod, args, out: gemms.append(args[0].shape[0]))
         got = layer(x, at, batch)
         hook.remove()
-        # Without host copies the lengths are read from the device: the same rows.
-        again = layer(x, at, dataclasses.replace(batch, query_lens_cpu=None, seq_lens_cpu=None))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
-    chunks = [(q, s) for q, s in lens if q > 1]
-    assert sorted(log.expanded) == sorted(chunks * 2)
-    assert log.absorbed == [1] * (2 * sum(q == 1 for q, _ in lens))
-    assert gemms == [BLOCK_SIZE * 7, BLOCK_SIZE * 5]  # whole blocks of each group's requests
+    chunks = [(q, s - q) for q, s in lens if q > 1]
+    assert sorted(log.expanded) == sorted(q for q, _ in chunks)
+    assert sorted(log.context) == sorted(chunks)
+    assert log.absorbed == [1] * sum(q == 1 for q, _ in lens)
+    assert gemms == [batch.num_tokens]  # one decompression of the step's own tokens
+
+
+def test_expanded_step_with_graph_padding_matches_absorbed():
+    """A mixed graph's batch: padding tokens of no sequence and empty sequence slots, through the
+    Triton kernels; the real rows match the absorbed path."""
+    pytest.importorskip("triton")
+    config, layer, rope = _layer("v3")
+    cache = torch.randn(64, BLOCK_SIZE, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+    layer.bind([cache], make_backend("triton"))
+    lens = ORDERS["chunks-among-decodes"]
+    batch = _mixed_batch(lens, 64, num_pad_tokens=5, num_pad_seqs=3)
+    x = torch.randn(batch.num_tokens, config.hidden_size)
+    at = rope.at(batch.positions)
+    real = sum(q for q, _ in lens)
+    with torch.no_grad():
+        want = layer(x, at, batch)[:real]
+        layer.prefill_mode = "expanded"
+        got = layer(x, at, batch)[:real]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_expanded_decode_only_step_stays_absorbed(monkeypatch):
@@ -187,20 +222,7 @@ def test_expanded_decode_only_step_stays_absorbed(monkeypatch):
     log = PathLog(monkeypatch)
     with torch.no_grad():
         layer(torch.randn(2, config.hidden_size), rope.at(batch.positions), batch)
-    assert log.expanded == [] and log.absorbed == [1, 1]
-
-
-@pytest.mark.parametrize("q_len,seq_len", [(9, 9), (4, 11), (1, 6)])
-def test_causal_attention_padded_values(q_len, seq_len):
-    """Row j sees keys 0 .. seq_len - q_len + j, with or without zero-padded values."""
-    torch.manual_seed(1)
-    heads, dq, dv = 3, 24, 16
-    q, k, v = torch.randn(q_len, heads, dq), torch.randn(seq_len, heads, dq), torch.randn(seq_len, heads, dv)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
-    visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
-    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
-    for pad in (False, True):
-        torch.testing.assert_close(causal_attention(q, k, v, 0.3, pad_value=pad), want, atol=1e-5, rtol=1e-5)
+    assert log.expanded == [] and log.context == [] and log.absorbed == [1, 1]
 
 
 # -- configuration and CUDA graphs -------------------------------------------------------------
@@ -214,36 +236,14 @@ def test_bad_mla_prefill_raises():
         LLM("unused", device="cpu", mla_prefill="latent")
 
 
-def test_expanded_mode_keeps_decode_graphs_only(deepseek_checkpoints, monkeypatch):
-    """Mixed graphs are off for an MLA model in expanded mode; decode steps replay the decode
-    graphs (stood in for by a forward over their static buffers, as in tests/runner) and give the
-    eager run's tokens."""
+def test_expanded_mode_keeps_mixed_graphs(deepseek_checkpoints):
+    """Nothing in the expanded path reads lengths on the host: the runner captures steps with
+    chunks in either mode."""
     pytest.importorskip("triton")
-    from deepbatch.runner.cuda_graph import CudaGraphs
-
     path = deepseek_checkpoints["v2"]
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:4]]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     common = dict(dtype="float32", device="cpu", attention_backend="triton", max_num_seqs=4,
                   max_num_batched_tokens=32)
-    want = [o.outputs[0].token_ids for o in LLM(path, **common).generate(prompts, params, use_tqdm=False)]
-
-    assert LLM(path, **common).engine.runner.mixed_graphs()
-    llm = LLM(path, **common, mla_prefill="expanded")
-    runner = llm.engine.runner
-    assert runner.expanded_mla and not runner.mixed_graphs()
-    graphs = CudaGraphs(runner.model, 4, runner.max_blocks_per_seq, runner.max_model_len, runner.device)
-    replays = []
-
-    def replay(size):
-        replays.append(size)
-        gs = graphs.decode
-        return gs.model(gs.input_ids[:size], gs.positions[:size], gs.batch(size))
-
-    graphs.decode.graphs = dict.fromkeys(graphs.decode.sizes)  # "captured"
-    monkeypatch.setattr(graphs.decode, "replay", replay)
-    runner.graphs = graphs
-    log = PathLog(monkeypatch)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert replays and log.expanded
+    for mode in ("absorbed", "expanded"):
+        runner = LLM(path, **common, mla_prefill=mode).engine.runner
+        assert runner.mixed_graphs()
+        assert {a.prefill_mode for a in runner.attn_layers} == {mode}

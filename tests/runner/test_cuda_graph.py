@@ -55,9 +55,10 @@ def test_capture_sizes():
     assert mixed_capture_sizes(48) == [16, 32, 48]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v2", "deepseek_v2-expanded"])
 def test_graph_padding_matches_eager(arch, tiny_checkpoints, tmp_path):
-    if arch == "deepseek_v2":
+    mode = {"mla_prefill": "expanded"} if arch.endswith("-expanded") else {}
+    if arch.startswith("deepseek_v2"):
         from test_deepseek import build_deepseek_checkpoint
 
         path = build_deepseek_checkpoint("v2", str(tmp_path / "v2"))
@@ -69,7 +70,7 @@ def test_graph_padding_matches_eager(arch, tiny_checkpoints, tmp_path):
     prompts = [{"prompt_token_ids": [rng.randrange(3, 384) for _ in range(n)]} for n in (5, 23, 37, 50, 9, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     common = dict(dtype="float32", device="cpu", attention_backend="triton", max_num_seqs=4,
-                  max_num_batched_tokens=40, enable_prefix_caching=True)
+                  max_num_batched_tokens=40, enable_prefix_caching=True, **mode)
     eager = LLM(path, **common)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     del eager
