@@ -71,8 +71,10 @@ run_stage() {
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests ${MLA_PEER:-16} --peer-batch-size ${MLA_PEER:-16} \
       --output-json "$OUT/mla-moe.json" ;;
-    mla-moe-expanded) stage mla-moe-expanded 200 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
-      --num-requests ${MLA_REQUESTS:-1000} --mla-prefill expanded --output-json "$OUT/mla-moe-expanded.json" ;;
+    mla-moe-expanded|mla-moe-absorbed) stage $1 200 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
+      --num-requests ${MLA_REQUESTS:-1000} --mla-prefill ${1#mla-moe-} --output-json "$OUT/$1.json" ;;
+    mla-kernels) stage mla-kernels 120 python3 -m pytest -q -m gpu tests/kernels/test_mla_prefill.py \
+      tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_swap_ab.py ;;
     kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
     kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
     kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;

@@ -1,8 +1,10 @@
 """MLA decode launch settings on the GPU: time the absorbed latent-attention kernel at a decode
 batch for every (kv splits, tile_n, num_warps, num_stages) and report the latent bandwidth each
-reaches, beside the setting the wrapper picks today (split merge included).
+reaches, beside the setting the wrapper picks today (split merge included), and the swap-AB decode
+kernel (deepbatch/kernels/mla_decode_swap_ab.py) for every (tile_n, num_warps, num_stages).
 
     python benchmarks/mla_sweep.py --batch 256 --context 1280 --output-json mla-sweep.json
+    python benchmarks/mla_sweep.py --kernels swap_ab    # the swap-AB rows alone (fewer compiles)
 
 Shapes default to DeepSeek-V2-Lite (16 heads, kv_lora_rank 512, rope 64, block 16, bf16).
 """
@@ -17,6 +19,7 @@ import torch
 
 from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import mla_decode as mla
+from deepbatch.kernels.mla_decode_swap_ab import mla_decode_swap_ab
 
 
 def main():
@@ -28,6 +31,8 @@ def main():
     ap.add_argument("--rope-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--kernels", choices=("all", "mla", "swap_ab"), default="all",
+                    help="which kernel's settings to sweep (the wrapper default is always timed)")
     args = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
     b, ctx, h, r, p, bs = args.batch, args.context, args.num_heads, args.kv_lora_rank, args.rope_dim, args.block_size
@@ -51,7 +56,8 @@ def main():
     ref = attend(num_kv_splits=1)
     rows = [{"setting": "wrapper default", "us": device_time_us(attend, 30)}]
     block_h = min(16, 1 << (h - 1).bit_length())
-    for splits, tile_n, warps, stages in itertools.product((1, 2, 4), (32, 64), (4, 8), (1, 2, 3)):
+    mla_settings = itertools.product((1, 2, 4), (32, 64), (4, 8), (1, 2, 3)) if args.kernels != "swap_ab" else ()
+    for splits, tile_n, warps, stages in mla_settings:
         out = torch.empty_like(q_lat)
 
         def run():
@@ -71,6 +77,25 @@ def main():
             us = device_time_us(run, 30)
             ok = torch.allclose(run().float(), ref.float(), atol=3e-2, rtol=3e-2)
         except Exception as e:  # a setting that does not compile (shared memory, registers) is reported
+            rows.append({"setting": name, "error": str(e)[:120]})
+            continue
+        rows.append({"setting": name, "us": us, "matches": ok})
+    # Stage 1 keeps one key tile in shared memory instead of two, where two programs may share an
+    # SM. Tiles that outgrow an H200's shared memory (64 keys past 2 stages, 128 keys past 1, at
+    # R = 512 in bf16) fail to launch and come out as error rows.
+    swap_settings = [(None, None, None), *itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4))]
+    for tile_n, warps, stages in swap_settings if args.kernels != "mla" else ():
+        out = torch.empty_like(q_lat)
+
+        def run():
+            return mla_decode_swap_ab(q_lat, q_pe, cache, block_tables, qsl, seq_lens, scale, max_len, out,
+                                      tile_n=tile_n, num_warps=warps, num_stages=stages)
+
+        name = "swap_ab default" if tile_n is None else f"swap_ab tile_n={tile_n} warps={warps} stages={stages}"
+        try:
+            us = device_time_us(run, 30)
+            ok = torch.allclose(run().float(), ref.float(), atol=3e-2, rtol=3e-2)
+        except Exception as e:
             rows.append({"setting": name, "error": str(e)[:120]})
             continue
         rows.append({"setting": name, "us": us, "matches": ok})

@@ -38,7 +38,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         cuda_graph_mode: str = "full",
-        mla_prefill: str = "absorbed",
+        mla_prefill: str = "expanded",
         fused_sampler: bool = True,
         async_scheduling: bool | None = None,
         num_gpu_blocks_override: int | None = None,

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full")
-    p.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="absorbed")
+    p.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="expanded")
     p.add_argument("--fused-sampler", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")

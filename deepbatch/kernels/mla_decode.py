@@ -15,7 +15,8 @@ cached tokens; row ``j`` sees keys ``0 .. seq_len - q_len + j``.
 With ``context_lse`` the same kernel gives the other half of the expanded MLA prefill
 (:mod:`deepbatch.kernels.mla_prefill`): only sequences with ``q_len >= 2`` are computed, over
 their cached context ``0 .. seq_len - q_len - 1`` alone, and each row's log-sum-exp of scaled
-scores (log2 units, ``-inf`` with no context, whose rows get zeros) is written beside it.
+scores (log2 units) is written beside it; a chunk without context gets ``-inf`` there and its
+rows of ``out`` are not written.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def mla_attention_ref(
             q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        else:  # every row sees the whole context; an empty one gives lse -inf and zeros
-            context_lse[qs:qe] = (torch.logsumexp(scores, -1) * _LOG2E).transpose(0, 1)
+        else:  # every row sees the whole context
+            context_lse[qs:qe] = (torch.logsumexp(scores, -1) * _LOG2E).transpose(0, 1)  # -inf: none
+            if num_keys == 0:
+                continue
         out[qs:qe] = (scores.softmax(-1) @ c_kv).transpose(0, 1).to(out.dtype)
     return out
 
@@ -104,11 +107,16 @@ def _mla_attention_kernel(
     q_tok = q_block * BLOCK_Q + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_valid = (q_tok < q_len) & (head < num_heads)
+    tok = (q_start + q_tok).to(tl.int64)
+    if CONTEXT_ONLY:
+        if context_len == 0:  # a fresh prompt: lse -inf says so, and its rows are not written
+            tl.store(lse_ptr + tok * stride_lt + head, tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32),
+                     mask=row_valid)
+            return
     r_dims = tl.arange(0, BLOCK_R)
     p_dims = tl.arange(0, BLOCK_P)
     r_ok = r_dims < KV_RANK
     p_ok = p_dims < ROPE_DIM
-    tok = (q_start + q_tok).to(tl.int64)
     q_lat = tl.load(q_lat_ptr + (tok * stride_qlt + head * stride_qlh)[:, None] + r_dims[None, :],
                     mask=row_valid[:, None] & r_ok[None, :], other=0.0)
     q_pe = tl.load(q_pe_ptr + (tok * stride_qpt + head * stride_qph)[:, None] + p_dims[None, :],
@@ -170,9 +178,9 @@ _INT32_MAX = 2**31 - 1
 
 
 def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
-                  out):
+                  out, name="mla_attention"):
     def fail(msg):
-        raise ValueError(f"mla_attention: {msg}")
+        raise ValueError(f"{name}: {msg}")
 
     if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
         fail(f"q_latent and q_pe must be [T, H, R] and [T, H, P], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}")
@@ -257,6 +265,12 @@ def mla_attention(
             # against 304-348 us split in 2-4 (benchmarks/mla_sweep.py).
             num_kv_splits = _choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device, programs_per_sm=1)
     args = (q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale)
+    if num_kv_splits == 1 and (max_query_len <= 1 or q_len_cap == 1) and q_latent.element_size() == 2:
+        # One-pass decodes in 16 bits: the transposed tile makes the latent the MMA's long side
+        # (172 vs 260 us in the measurement above; kernels/mla_decode_swap_ab.py).
+        from deepbatch.kernels.mla_decode_swap_ab import mla_decode_swap_ab
+
+        return mla_decode_swap_ab(*args, max_seq_len, out)
 
     if num_kv_splits > 1:
         partial = torch.empty(num_kv_splits, *q_latent.shape, dtype=torch.float32, device=q_latent.device)

@@ -19,7 +19,8 @@ The two halves meet through their log-sum-exps (log2 units)::
 
     out = (o_new * 2^lse_new + o_ctx * 2^lse_ctx) / (2^lse_new + 2^lse_ctx)
 
-``lse_ctx`` is ``-inf`` for a chunk without cached context (weight 0). Rows of sequences with
+``lse_ctx`` is ``-inf`` for a chunk without cached context (weight 0, and its ``out`` rows are not
+read: whatever they hold is replaced). Rows of sequences with
 ``q_len < 2`` (decodes, absorbed elsewhere) and rows past ``query_start_loc[-1]`` (graph padding)
 are left as they are.
 """
@@ -64,7 +65,8 @@ def mla_prefill_ref(
             m = torch.maximum(lse_new, lse_c)
             w_new = torch.exp2(lse_new - m).transpose(0, 1).unsqueeze(-1)
             w_ctx = torch.exp2(lse_c - m).transpose(0, 1).unsqueeze(-1)
-            o_new = (o_new * w_new + out[rows].float() * w_ctx) / (w_new + w_ctx)
+            o_ctx = torch.where(w_ctx > 0, out[rows].float(), 0.0)  # unwritten where there is no context
+            o_new = (o_new * w_new + o_ctx * w_ctx) / (w_new + w_ctx)
         out[rows] = o_new.to(out.dtype)
     return out
 
@@ -172,7 +174,8 @@ def _mla_prefill_kernel(
         m = tl.maximum(lse_new, lse_ctx)
         w_new = tl.exp2(lse_new - m)
         w_ctx = tl.exp2(lse_ctx - m)  # 0 where the chunk has no context (lse_ctx = -inf)
-        o_ctx = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        # Rows without context were never written by the context part: not read.
+        o_ctx = tl.load(o_ptrs, mask=o_mask & (lse_ctx > float("-inf"))[:, None], other=0.0).to(tl.float32)
         o = (o * w_new[:, None] + o_ctx * w_ctx[:, None]) / (w_new + w_ctx)[:, None]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 

@@ -64,7 +64,7 @@ def on_cpu(batch, dtype=None):
 def run_both(batch, max_query_len, max_seq_len, **kw):
     q = batch["q_latent"]
     poisoned = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    ref = mla_attention_ref(**on_cpu(batch), out=poisoned.cpu())
+    ref = mla_attention_ref(**on_cpu(batch), out=poisoned.cpu().clone())
     out = mla_attention(**batch, max_query_len=max_query_len, max_seq_len=max_seq_len, out=poisoned, **kw)
     return out.cpu(), ref
 
@@ -163,8 +163,8 @@ def test_context_reference_is_the_absorbed_attention_over_cached_keys():
         keys = cache[batch["block_tables"][i].long()].flatten(0, 1)[:ctx, 0]  # [ctx, R+P]
         query = torch.cat((batch["q_latent"][start:end], batch["q_pe"][start:end]), dim=-1)  # [q, H, R+P]
         scores = torch.einsum("qhd,kd->qhk", query, keys) * batch["scale"]
-        if ctx == 0:
-            assert (out[start:end] == 0).all() and (lse[start:end] == float("-inf")).all()
+        if ctx == 0:  # a fresh prompt: lse -inf, its rows not written
+            assert out[start:end].isnan().all() and (lse[start:end] == float("-inf")).all()
             continue
         want = torch.einsum("qhk,kd->qhd", scores.softmax(-1), keys[:, :rank])
         torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
@@ -174,20 +174,22 @@ def test_context_reference_is_the_absorbed_attention_over_cached_keys():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_context_mode_matches_reference(dtype):
-    """The kernel's context-only launch: chunk rows and their lse as the reference gives them,
-    decode and padding rows untouched."""
+    """The kernel's context-only launch: chunk rows and their lse as the reference gives them;
+    decode and padding rows, and the rows of chunks without context, untouched."""
     torch.manual_seed(8)
     batch, mql, msl = make_batch(MIXED, 16, 64, 16, block_size=16, dtype=dtype, num_pad_rows=3)
     q = batch["q_latent"]
     poisoned = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:2], float("nan"), device=q.device)
     ref_lse = torch.full(q.shape[:2], float("nan"))
-    ref = mla_attention_ref(**on_cpu(batch), out=poisoned.cpu(), context_lse=ref_lse)
+    ref = mla_attention_ref(**on_cpu(batch), out=poisoned.cpu().clone(), context_lse=ref_lse)
     out = mla_attention(**batch, max_query_len=mql, max_seq_len=msl, out=poisoned, context_lse=lse).cpu()
     written = ~ref_lse.isnan()
     assert written.any() and not written.all()
     assert lse.cpu().isnan().equal(~written) and out.isnan().equal(ref.isnan())
-    torch.testing.assert_close(out[written], ref[written], **TOL[dtype])
+    assert (ref_lse[written] == float("-inf")).any() and ref[written].isnan().any()  # a fresh prompt
+    assert not ref[written & (ref_lse > float("-inf"))].isnan().any()
+    torch.testing.assert_close(out, ref, equal_nan=True, **TOL[dtype])
     torch.testing.assert_close(lse.cpu()[written], ref_lse[written], **TOL[dtype])
     with pytest.raises(ValueError, match="context_lse"):
         mla_attention(**batch, max_query_len=mql, max_seq_len=msl, context_lse=lse[:, :3])

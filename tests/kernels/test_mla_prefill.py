@@ -53,8 +53,8 @@ def make_inputs(lens, heads, nope, rope, dv, dtype, device=DEVICE, num_pad_rows=
                       + torch.einsum("qhd,kd->hqk", q[rows, :, nope:nope + rope].float(), kpc.float())) * scale
             if ctx:
                 o_ctx[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vc.float()).to(dtype)
-            else:
-                o_ctx[rows] = 0
+            else:  # nothing computed it: must not be read
+                o_ctx[rows] = float("nan")
             lse_ctx[rows] = (torch.logsumexp(scores, -1) / math.log(2)).transpose(0, 1)
         start += q_len
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)

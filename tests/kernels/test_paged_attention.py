@@ -67,7 +67,7 @@ def on_cpu(batch, dtype=None):
 
 def run_both(batch, max_query_len, max_seq_len, **kw):
     poisoned = torch.full(batch["query"].shape, float("nan"), dtype=batch["query"].dtype, device=batch["query"].device)
-    ref = paged_attention_ref(**on_cpu(batch), out=poisoned.cpu())
+    ref = paged_attention_ref(**on_cpu(batch), out=poisoned.cpu().clone())
     out = paged_attention(**batch, max_query_len=max_query_len, max_seq_len=max_seq_len, out=poisoned, **kw)
     return out.cpu(), ref
 

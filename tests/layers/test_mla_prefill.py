@@ -89,6 +89,19 @@ def test_chunked_prefill_matches_hf(deepseek_checkpoints, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_absorbed_mode_matches_hf(deepseek_checkpoints, arch, monkeypatch):
+    """``mla_prefill="absorbed"``: chunks, prefix hits included, stay in the latent space."""
+    path = deepseek_checkpoints[arch]
+    prompts = make_prompts()
+    log = PathLog(monkeypatch)
+    got, _ = ours(path, prompts, max_num_batched_tokens=16, mla_prefill="absorbed")
+    assert got == hf_outputs(path, prompts)
+    hits, _ = prefix_hit_outputs(path, mla_prefill="absorbed")
+    assert hits == hf_outputs(path, shared_prefix_prompts())
+    assert log.expanded == [] and log.context == [] and max(log.absorbed) > 1
+
+
+@pytest.mark.parametrize("arch", ["v2", "v3"])
 def test_prefix_cache_hits_match_hf(deepseek_checkpoints, arch, monkeypatch):
     path = deepseek_checkpoints[arch]
     log = PathLog(monkeypatch)
