@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--warm-steps", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="absorbed")
+    ap.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="expanded")
     ap.add_argument("--timeline", action="store_true",
                     help="instead: run the whole workload, timing each step by kind (decode-only or mixed)")
     ap.add_argument("--output-json", default=None)

@@ -50,9 +50,11 @@ run_stage() {
     profile-mla-decode) stage profile-mla-decode 150 python3 benchmarks/gpu_profile.py \
       --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 300 --steps 20 \
       --output-json "$OUT/profile-mla-decode.json" ;;
-    profile-mla-prefill-expanded) stage profile-mla-prefill-expanded 150 python3 benchmarks/gpu_profile.py \
-      --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 0 --steps 6 --mla-prefill expanded \
-      --output-json "$OUT/profile-mla-prefill-expanded.json" ;;
+    profile-mla-prefill-absorbed) stage profile-mla-prefill-absorbed 150 python3 benchmarks/gpu_profile.py \
+      --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 0 --steps 6 --mla-prefill absorbed \
+      --output-json "$OUT/profile-mla-prefill-absorbed.json" ;;
+    timeline-mla) stage timeline-mla 180 python3 benchmarks/gpu_profile.py --model-config "$M/deepseek-v2-lite.json" \
+      --workload mla-moe --timeline --output-json "$OUT/timeline-mla.json" ;;
     profile-mla-prefill) stage profile-mla-prefill 150 python3 benchmarks/gpu_profile.py \
       --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 0 --steps 6 \
       --output-json "$OUT/profile-mla-prefill.json" ;;
