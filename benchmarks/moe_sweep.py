@@ -27,8 +27,12 @@ def main():
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=1408)
+    ap.add_argument("--align-only", action="store_true",
+                    help="instead: time the one-launch pair sort (kernels/moe_align.py) per chunk and warps")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
+    if args.align_only:
+        return align_sweep(args)
     dev, dtype = "cuda", torch.bfloat16
     e, k, hdim, inter = args.experts, args.top_k, args.hidden, args.intermediate
     w13 = torch.randn(e, 2 * inter, hdim, device=dev, dtype=dtype) * 0.02
@@ -79,6 +83,39 @@ def main():
             if "us" in row:
                 print(f"{row['setting']:<56} {row['us']:>9.1f} us {row['TFLOP/s']:>6.1f} TFLOP/s "
                       f"{row['TB/s']:>5.2f} TB/s {'' if row.get('matches', True) else 'MISMATCH'}")
+        report["cases"].append({"tokens": t, "rows": rows})
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def align_sweep(args):
+    """The pair sort at each token count (up to its MAX_PAIRS), per (chunk, num_warps), each
+    checked against the torch sort."""
+    from deepbatch.kernels import moe_align as ma
+
+    report = {"args": vars(args), "cases": []}
+    for t in (int(x) for x in args.tokens.split(",")):
+        if t * args.top_k > ma.MAX_PAIRS:
+            continue
+        g = torch.Generator("cuda").manual_seed(t)
+        ids = torch.rand(t, args.experts, device="cuda", generator=g).topk(args.top_k, dim=-1).indices
+        want = fm.sort_pairs_by_expert(ids, args.experts, 16)
+        rows = [{"setting": "torch sort", "us": device_time_us(lambda: fm.sort_pairs_by_expert(ids, args.experts, 16), 50)}]
+        for chunk, warps in itertools.product((64, 128, 256, 512, 1024), (4, 8, 16)):
+            name = f"chunk={chunk} warps={warps}"
+            try:
+                got = ma.moe_align(ids, args.experts, 16, chunk=chunk, num_warps=warps)
+                us = device_time_us(lambda: ma.moe_align(ids, args.experts, 16, chunk=chunk, num_warps=warps), 50)
+            except Exception as exc:  # registers or shared memory exceeded
+                rows.append({"setting": name, "error": str(exc)[:120]})
+                continue
+            rows.append({"setting": name, "us": us, "matches": all(torch.equal(a, b) for a, b in zip(got, want))})
+        rows.sort(key=lambda row: row.get("us", float("inf")))
+        print(f"\npair sort, {t} tokens x top-{args.top_k} of {args.experts} experts")
+        for row in rows:
+            print(f"{row['setting']:<24} " + (f"{row['us']:>8.1f} us {'' if row.get('matches', True) else 'MISMATCH'}"
+                                             if "us" in row else f"failed: {row['error']}"))
         report["cases"].append({"tokens": t, "rows": rows})
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -175,7 +175,8 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
         vocab = self.hf_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        # Types first, over the distinct types only: a long prompt is checked in C loops.
+        if any(not issubclass(t, int) for t in set(map(type, ids))) or min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
         n_prompt = len(ids)
         if n_prompt >= self.max_model_len:

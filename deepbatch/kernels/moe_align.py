@@ -66,10 +66,12 @@ def _moe_align_kernel(
         cursor += tl.sum(onehot, 0)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, chunk: int | None = None,
+              num_warps: int = 8):
     """``(sorted_ids, expert_ids, num_padded)`` exactly as :func:`sort_pairs_by_expert` returns
     them; one Triton launch for up to :data:`MAX_PAIRS` pairs, the torch sort above that (or
-    without Triton). Sized by host ints only: capturable in a CUDA graph."""
+    without Triton). Sized by host ints only: capturable in a CUDA graph. ``chunk`` (pairs per
+    iteration, a power of two) and ``num_warps`` override the launch (benchmarks/moe_sweep.py)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"moe_align: topk_ids must be an int32/int64 [T, K], got {topk_ids.dtype} "
                          f"{tuple(topk_ids.shape)}")
@@ -86,10 +88,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e = triton.next_power_of_2(num_experts)
-    # The one-hot tile is CHUNK x BLOCK_E: about 8k elements keeps it in registers.
-    chunk = max(16, 8192 // block_e)
+    if chunk is None:  # the one-hot tile is CHUNK x BLOCK_E: about 8k elements keeps it in registers
+        chunk = max(16, 8192 // block_e)
     _moe_align_kernel[(1,)](
         flat, sorted_ids, expert_ids, num_padded, num_pairs, capacity,
-        NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk, num_warps=8,
+        NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=chunk, num_warps=num_warps,
     )
     return sorted_ids, expert_ids, num_padded

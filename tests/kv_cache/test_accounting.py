@@ -47,3 +47,28 @@ def test_blocks_held_only_by_the_prefix_cache():
     assert st.cached_free_blocks == 2  # the two full blocks stay reusable
     assert st.token_usage == pytest.approx(32 / 160)
     assert st.internal_fragmentation == 0.0
+
+
+def test_tokens_in_use_match_a_block_by_block_count():
+    """Random requests (shared prefixes, partial last blocks, blocks allocated ahead of their
+    tokens): the tokens held equal a walk over every block of every request, each block counted
+    once at its fullest."""
+    import random
+
+    rng = random.Random(0)
+    bs = 8
+    kv = KVCacheManager(400, bs)
+    prefixes = [[rng.randrange(1000) for _ in range(bs * rng.randrange(1, 4))] for _ in range(3)]
+    running = []
+    for i in range(20):
+        tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+        r = running_request(kv, str(i), tokens, len(tokens))
+        r.num_computed_tokens = rng.randrange(0, len(tokens) + 1)  # some not yet written
+        running.append(r)
+    fill: dict[int, int] = {}
+    for r in running:
+        for i, b in enumerate(r.block_ids):
+            fill[b] = max(fill.get(b, 0), min(bs, max(0, r.num_computed_tokens - i * bs)))
+    st = kv.stats(running)
+    assert st.used_slots_with_tokens == sum(fill.values())
+    assert any(r.num_computed_tokens % bs for r in running) and len(fill) < sum(len(r.block_ids) for r in running)
