@@ -118,7 +118,8 @@ def _attend_new_tokens(
     return m_i, l_i, acc
 
 
-@_jit(do_not_specialize=("num_seqs",))
+# ``out`` is the head-major bmm output seen token-major: its head stride is T * Dv, new every step.
+@_jit(do_not_specialize=("num_seqs", "stride_oh"))
 def _mla_prefill_kernel(
     q_nope_ptr, q_pe_ptr, k_nope_ptr, k_pe_ptr, v_ptr, out_ptr, lse_ptr, query_start_loc_ptr,
     scale_log2e, num_seqs,
