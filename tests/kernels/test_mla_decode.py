@@ -208,7 +208,11 @@ def _bad_inputs():
 
     return {
         "q-latent-2d": mutate(q_latent=lambda b: b["q_latent"].flatten(1)),
+        "q-latent-int": mutate(q_latent=lambda b: b["q_latent"].int(), q_pe=lambda b: b["q_pe"].int(),
+                               latent_cache=lambda b: b["latent_cache"].int()),
         "q-pe-dtype": mutate(q_pe=lambda b: b["q_pe"].half()),
+        "rank-too-small": mutate(q_latent=lambda b: b["q_latent"][..., :8],
+                                 latent_cache=lambda b: b["latent_cache"][..., 24:]),
         "q-pe-heads": mutate(q_pe=lambda b: b["q_pe"][:, :2]),
         "cache-width": mutate(latent_cache=lambda b: b["latent_cache"][..., :-1]),
         "cache-two-heads": mutate(latent_cache=lambda b: b["latent_cache"].expand(-1, -1, 2, -1)),

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from deepbatch.kernels.mla_decode import mla_attention_ref  # noqa: E402
 from deepbatch.kernels.mla_decode_swap_ab import mla_decode_swap_ab  # noqa: E402
-from test_mla_decode import MIXED, make_batch, on_cpu  # noqa: E402
+from test_mla_decode import MIXED, _bad_inputs, make_batch, on_cpu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -81,32 +81,7 @@ def test_prefill_chunks_and_empty_sequences_write_nothing():
     assert out.isnan().all()
 
 
-def _bad_inputs():
-    def mutate(**changes):
-        def f(batch):
-            batch = dict(batch)
-            for key, fn in changes.items():
-                batch[key] = fn(batch)
-            return batch
-        return f
-
-    return {
-        "q-latent-2d": mutate(q_latent=lambda b: b["q_latent"].flatten(1)),
-        "q-latent-int": mutate(q_latent=lambda b: b["q_latent"].int(), q_pe=lambda b: b["q_pe"].int(),
-                               latent_cache=lambda b: b["latent_cache"].int()),
-        "q-pe-dtype": mutate(q_pe=lambda b: b["q_pe"].half()),
-        "q-pe-heads": mutate(q_pe=lambda b: b["q_pe"][:, :2]),
-        "rank-too-small": mutate(q_latent=lambda b: b["q_latent"][..., :8],
-                                 latent_cache=lambda b: b["latent_cache"][..., 24:]),
-        "cache-width": mutate(latent_cache=lambda b: b["latent_cache"][..., :-1]),
-        "cache-two-heads": mutate(latent_cache=lambda b: b["latent_cache"].expand(-1, -1, 2, -1)),
-        "block-tables-int64": mutate(block_tables=lambda b: b["block_tables"].long()),
-        "seq-lens-length": mutate(seq_lens=lambda b: b["seq_lens"][:-1]),
-        "strided-last-dim": mutate(q_pe=lambda b: b["q_pe"].transpose(0, 2).contiguous().transpose(0, 2)),
-        "out-shape": mutate(out=lambda b: torch.empty(1, *b["q_latent"].shape[1:])),
-    }
-
-
+# The same checks as mla_attention's (one shared function), under this kernel's name.
 @pytest.mark.parametrize("case", list(_bad_inputs()))
 def test_bad_inputs_raise_value_error(case):
     batch, _, msl = make_batch(DECODES, 4, 32, 8, block_size=16, dtype=torch.float32)
