@@ -175,6 +175,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     log_stats: bool = False
     parallel: ParallelConfig = ParallelConfig()
+    # Testing only: the sampler raises for the request (or parent request) with this id, to show
+    # that a fault inside one request's sampling ends that request alone. None in production.
+    fault_inject_sample_request: str | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):

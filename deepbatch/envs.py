@@ -49,6 +49,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "DEEPBATCH_FAULT_INJECT_WORKER_STEP": _int_or_none("DEEPBATCH_FAULT_INJECT_WORKER_STEP"),
     # "stall" (the worker sleeps instead of running the step) or "raise" (it fails the step).
     "DEEPBATCH_FAULT_INJECT_WORKER_MODE": lambda: os.environ.get("DEEPBATCH_FAULT_INJECT_WORKER_MODE", "stall"),
+    # Testing only: the sampler raises for the request with this id (the server's ids are
+    # "cmpl-<X-Request-Id>"), to exercise request-scoped faults. Unset in production.
+    "DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST": lambda: os.environ.get("DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST") or None,
     # The server's API key when --api-key is not given (keeps it out of the process list).
     "DEEPBATCH_API_KEY": lambda: os.environ.get("DEEPBATCH_API_KEY") or None,
     # Seconds between the server's throughput/occupancy log lines; 0 turns them off.

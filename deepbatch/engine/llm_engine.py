@@ -148,7 +148,10 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer; pass prompt_token_ids")
-        return self.tokenizer.encode(prompt)
+        try:
+            return self.tokenizer.encode(prompt)
+        except Exception as e:  # e.g. a lone surrogate: text no tokenizer can encode
+            raise InvalidRequestError("prompt", f"the prompt cannot be tokenized: {type(e).__name__}: {e}"[:300]) from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -194,15 +197,15 @@ class LLMEngine:
                 f"({self.kv_cache.capacity_tokens} tokens)", code="context_length_exceeded")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         params = replace(params, _eos_token_ids=self.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         out = []
         for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)
+            # Samples share the seed; the sampler keys each one's random stream by its index.
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            out.append(Request(rid, ids, child_params, max_tokens, arrival_time=arrival, priority=priority,
+            out.append(Request(rid, ids, params, max_tokens, arrival_time=arrival, priority=priority,
                                tenant=tenant, prompt=text, parent_id=request_id, index=i))
         return out
 
@@ -307,9 +310,14 @@ class LLMEngine:
         sampling = [s.request for s in out.scheduled if s.samples]
         now = time.monotonic()
         first_token, done = [], []
+        errors = sampler_out.errors or {}
         for i, (r, token) in enumerate(zip(sampling, sampler_out.token_ids)):
             if r.is_finished:
                 continue  # stopped or aborted while this step ran; its token is dropped
+            touched[r.parent_id] = None
+            if i in errors:
+                self._fail_request(r, errors[i])
+                continue
             self.stats.num_generation_tokens += 1
             finished = self.scheduler.commit_token(r, token)
             if r.first_token_time is None:
@@ -318,7 +326,16 @@ class LLMEngine:
             r.last_token_time = now
             if sampler_out.logprobs is not None and r.logprobs is not None:
                 r.logprobs.append(sampler_out.logprobs[i])
-            stop = self.detokenizer.update(r, [token])
+            try:
+                stop = self.detokenizer.update(r, [token])
+            except Exception as e:  # noqa: BLE001 - a token this request's text cannot take ends it alone
+                message = f"detokenization failed: {type(e).__name__}: {e}"[:500]
+                if finished:  # it had just finished (length, stop id): it keeps its reason
+                    r.error = message
+                    self._on_finished(r)
+                else:
+                    self._fail_request(r, message)
+                continue
             if stop is not None and not r.is_finished:
                 r.stop_reason = stop
                 self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
@@ -326,13 +343,19 @@ class LLMEngine:
             if finished:
                 self._on_finished(r)
                 done.append(r)
-            touched[r.parent_id] = None
         if self.controller is not None:
             # Under async scheduling a step's time runs from the previous commit, not from
             # when it was scheduled (it waited behind the step before it).
             started = max(started, self._last_commit)
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled), first_token, done)
             self._last_commit = now
+
+    def _fail_request(self, r: Request, message: str) -> None:
+        """End one request with an error (its own fault); the engine and the rest go on."""
+        logger.warning("request %s failed: %s", r.request_id, message)
+        r.error = message
+        self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ERROR)
+        self._on_finished(r)
 
     def _on_finished(self, r: Request) -> None:
         self.runner.forget(r.request_id)

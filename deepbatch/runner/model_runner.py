@@ -49,7 +49,8 @@ class ModelRunner:
             if isinstance(a, MultiHeadLatentAttention):
                 a.prefill_mode = config.mla_prefill
         # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
-        self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False)
+        self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False,
+                               fault_request_id=config.fault_inject_sample_request)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None
         # The last launched step's sampled ids, still on the device, and each sampling
@@ -304,8 +305,8 @@ class ModelRunner:
     # -- lifecycle (what a tensor-parallel executor adds to; trivial in one process) ---------
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was aborted: drop its per-request state."""
-        self.sampler.forget(request_id)
+        """The request finished or was aborted: drop its per-request state (one process keeps
+        none: seeded sampling is stateless)."""
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the runner can no longer run steps; in one process a

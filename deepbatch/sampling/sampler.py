@@ -3,8 +3,14 @@
 Order of operations (vLLM's): logit bias -> min_tokens (ban EOS/stop ids) -> penalties ->
 logprobs (of the processed logits, before temperature) -> greedy argmax, or temperature ->
 top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
-samples from ``p`` without a host sync; seeded requests draw their ``q`` row from their own
-generator so their output does not depend on what else is in the batch.
+samples from ``p`` without a host sync; seeded requests take their ``q`` row from a pure
+function of (seed, choice, output position) (``seeded_noise.py``), so their output does not
+depend on what else is in the batch, on preemption or on the device.
+
+A fault in one request's sampling is that request's: when the batched pass raises, each row is
+sampled alone and the rows that still raise come back as errors in ``SamplerOutput.errors``
+(the engine ends those requests); a row whose raw logits hold a NaN is reported the same way.
+Only the other rows' tokens are used.
 
 With ``fused`` on (the default on CUDA; ``--no-fused-sampler`` turns it off), a batch on a GPU whose sampled rows use temperature alone
 (no top-k, top-p, min-p or seed) skips those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
@@ -13,6 +19,7 @@ one read of the logits. Any row that needs more sends the whole batch down the t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,9 @@ import torch
 from deepbatch.engine.request import Request
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
+from deepbatch.sampling.seeded_noise import seeded_exponential
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +37,8 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None.
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # Row -> why that row's request failed (its token is meaningless); None when none did.
+    errors: dict[int, str] | None = None
 
 
 class PendingSample:
@@ -37,10 +49,13 @@ class PendingSample:
     kernels; ``resolve`` waits for that copy alone, not for work queued after it.
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, params):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, params,
+                 errors: dict[int, str] | None = None, nan_rows: torch.Tensor | None = None):
         self.token_ids = token_ids
         self._params = params
+        self._errors = errors
         pin = token_ids.device.type == "cuda"
+        self._nan_rows = _to_host(nan_rows, pin) if nan_rows is not None else None
         self._host = [_to_host(token_ids, pin)]
         self._k_max = 0
         if logprobs is not None:
@@ -73,7 +88,11 @@ class PendingSample:
                         continue
                     top = {top_ids[i][j]: top_vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
                     logprobs.append((chosen[i], top))
-            self._resolved = SamplerOutput(token_ids, logprobs)
+            errors = dict(self._errors or {})
+            if self._nan_rows is not None:
+                for i in self._nan_rows.nonzero().flatten().tolist():
+                    errors.setdefault(i, "the model produced NaN logits for this request")
+            self._resolved = SamplerOutput(token_ids, logprobs, errors or None)
         return self._resolved
 
 
@@ -96,35 +115,56 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: str | torch.device, fused: bool | None = None):
+    def __init__(self, vocab_size: int, device: str | torch.device, fused: bool | None = None,
+                 fault_request_id: str | None = None):
         """``fused`` picks the one-pass Gumbel-max kernel for the batches it covers: None uses it on
         CUDA when Triton is installed, True wherever Triton runs (the interpreter on the CPU),
-        False never."""
+        False never. ``fault_request_id`` (testing only) makes sampling raise for that request."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.fused = fused
-        self._generators: dict[str, torch.Generator] = {}
+        self.fault_request_id = fault_request_id
         # The kernel's Philox stream: the process seed (the engine seeds torch before building
         # the runner) and a counter offset that each call moves past the counters it used. Host
         # ints, so a step never waits on the device for its random state.
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request: Request) -> torch.Generator:
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
-            self._generators[request.request_id] = gen
-        return gen
-
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).
-        Queues the sampling on the device and returns without waiting for it."""
+        Queues the sampling on the device and returns without waiting for it. Never raises for
+        one request's sake: such rows come back as errors (module docstring)."""
         params = [r.sampling_params for r in requests]
+        # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
+        # logits ends that request, whatever token the NaN would have turned into.
+        nan_rows = torch.isnan(logits).any(dim=-1)
+        try:
+            sampled, logprobs = self._sample_batch(logits, requests)
+            return PendingSample(sampled, logprobs, params, None, nan_rows)
+        except Exception as batch_error:  # noqa: BLE001 - isolated per row below
+            logger.warning("sampling a batch of %d failed (%s: %s); sampling its rows one by one",
+                           len(requests), type(batch_error).__name__, batch_error)
+        rows, row_logprobs, errors = [], [], {}
+        for i, r in enumerate(requests):
+            try:
+                token, lp = self._sample_batch(logits[i : i + 1], [r])
+            except Exception as e:  # noqa: BLE001 - this request's fault ends this request
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"[:500]
+                token, lp = torch.zeros(1, dtype=torch.long, device=logits.device), None
+            rows.append(token.view(1).long())
+            row_logprobs.append(lp)
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            logprobs = torch.cat([lp if lp is not None else torch.zeros_like(logits[:1]) for lp in row_logprobs])
+        return PendingSample(torch.cat(rows), logprobs, params, errors, nan_rows)
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        params = [r.sampling_params for r in requests]
+        if self.fault_request_id is not None and any(
+            self.fault_request_id in (r.request_id, r.parent_id) for r in requests
+        ):
+            raise RuntimeError(f"injected sampling fault for request {self.fault_request_id}")
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
         if any(p.needs_penalties for p in params):
@@ -141,7 +181,7 @@ class Sampler:
             sampled = self._sample_fused(logits, params)
         else:
             sampled = self._sample(logits, requests)
-        return PendingSample(sampled, logprobs, params)
+        return sampled, logprobs
 
     def warm_up(self) -> None:
         """Compile the fused kernel for float32 logits of this vocab before the first request
@@ -242,9 +282,11 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
 
         q = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(requests):
-            if r.sampling_params.seed is not None and not r.sampling_params.greedy:
-                q[i].exponential_(generator=self._generator(r))
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        if seeded:
+            keys = [(params[i].seed, requests[i].index, requests[i].num_output_tokens) for i in seeded]
+            rows = torch.tensor(seeded, device=q.device)
+            q[rows] = seeded_exponential(keys, q.shape[1], q.device)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy.bool(), logits.argmax(dim=-1), sampled)
 
