@@ -15,15 +15,17 @@ Messages travel on one ``multiprocessing`` queue per worker: ``put`` never block
 writes the pipe), so a stalled worker cannot stall rank 0 outside a collective, and every
 collective has a timeout. Any failure (a collective that fails or times out, a worker that exits)
 makes the executor dead for good: it kills the remaining workers and every later call raises
-``EngineDeadError``.
+``EngineDeadError``. How workers start, where their output goes and how they stop is
+``launch``'s concern; a stop that was asked for (``shutdown``, the executor collected, interpreter
+exit) is never reported as a death.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -31,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from deepbatch.config import EngineConfig
-from deepbatch.distributed.messages import ShutdownMessage, StepMessageBuilder
+from deepbatch.distributed.launch import WorkerGroup, check_not_importing_main
+from deepbatch.distributed.messages import StepMessageBuilder
 from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
                                                   loaded_key)
-from deepbatch.distributed.watchdog import WorkerWatchdog
-from deepbatch.distributed.worker import WorkerArgs, run_worker
+from deepbatch.distributed.worker import WorkerArgs
 from deepbatch.engine.errors import EngineDeadError
 from deepbatch.models.loader import ModelSource, build_model
 from deepbatch.runner.model_runner import ModelRunner
@@ -45,13 +47,25 @@ from deepbatch.scheduler.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _STORE_HOST = "127.0.0.1"
-# How long a clean shutdown waits for each worker to exit before killing it.
-_JOIN_S = 5.0
 _STARTUP_POLL_S = 0.05
+
+
+def _weak_callback(method: Callable[..., None]) -> Callable[..., None]:
+    """Call ``method`` while its object lives: the watchdog's thread must not keep the executor
+    alive, or an engine that goes out of scope would never stop its workers."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
+        check_not_importing_main()
         parallel = config.parallel
         size = parallel.tensor_parallel_size
         if config.device.startswith("cuda"):
@@ -67,18 +81,11 @@ class TensorParallelExecutor:
         # Port 0: the OS picks a free port; workers learn it from their arguments.
         self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                                     wait_for_workers=False)
-        ctx = multiprocessing.get_context("spawn")  # fork would copy rank 0's threads and locks
-        self._inboxes = []
-        self._procs = []
-        for rank in range(1, size):
-            inbox = ctx.Queue()
-            # Never wait at exit for messages a dead worker will not read.
-            inbox.cancel_join_thread()
-            args = WorkerArgs(rank, size, _STORE_HOST, self._store.port, config, source, hf_config, max_model_len)
-            proc = ctx.Process(target=run_worker, args=(args, inbox), name=f"deepbatch-tp{rank}", daemon=True)
-            proc.start()
-            self._inboxes.append(inbox)
-            self._procs.append(proc)
+        port = self._store.port
+        self._workers = WorkerGroup(size, lambda rank: WorkerArgs(rank, size, _STORE_HOST, port, config, source,
+                                                                  hf_config, max_model_len))
+        # The workers hold nothing of the executor, so dropping the engine stops them.
+        weakref.finalize(self, self._workers.stop)
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             self._await_workers(joined_key, deadline)
@@ -89,10 +96,13 @@ class TensorParallelExecutor:
             self._store.set(loaded_key(0), "1")
             self._await_workers(loaded_key, deadline)
         except BaseException:
-            self._kill_workers()
+            self._workers.stop(clean=False)
             raise
-        self._watchdog = WorkerWatchdog(self._procs, self._on_worker_exit)
+        self._workers.watch(_weak_callback(self._on_worker_exit))
         logger.info("tensor parallel: %d ranks over %s", size, type(self.group.process_group).__name__)
+
+    # The worker processes (rank r is ``_procs[r - 1]``).
+    _procs = property(lambda self: self._workers.procs)
 
     def _await_workers(self, key_of: Callable[[int], str], deadline: float) -> None:
         """Wait until every worker has set its key, failing as soon as one has exited."""
@@ -100,10 +110,10 @@ class TensorParallelExecutor:
         while not self._store.check(keys):
             for rank, proc in enumerate(self._procs, start=1):
                 if not proc.is_alive():
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited during start-up "
-                                       f"(exit code {proc.exitcode}); its log says why")
+                    raise RuntimeError(self._workers.exit_report(rank, "during start-up"))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise TimeoutError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s; "
+                                   f"their output is in {self._workers.log_dir}")
             time.sleep(_STARTUP_POLL_S)
 
     # -- what the engine reads of a runner ----------------------------------------------------
@@ -141,7 +151,7 @@ class TensorParallelExecutor:
         msg = self._builder.build(out)
 
         def step() -> SamplerOutput:
-            for inbox in self._inboxes:
+            for inbox in self._workers.inboxes:
                 inbox.put(msg)
             return self.runner.execute(out)
 
@@ -174,7 +184,7 @@ class TensorParallelExecutor:
         self._fault_listeners.append(callback)
 
     def _on_worker_exit(self, rank: int, exitcode: int | None) -> None:
-        self._fail(f"tensor-parallel worker rank {rank} exited unexpectedly (exit code {exitcode})")
+        self._fail(self._workers.exit_report(rank, "unexpectedly"))
 
     def _fail(self, reason: str) -> EngineDeadError:
         with self._lock:
@@ -182,8 +192,9 @@ class TensorParallelExecutor:
             if first:
                 self._dead = EngineDeadError(reason)
         if first:
-            logger.error("the tensor-parallel engine is dead: %s", reason)
-            self._kill_workers()
+            logger.error("the tensor-parallel engine is dead: %s (worker output is kept in %s)", reason,
+                         self._workers.log_dir)
+            self._workers.stop(clean=False)
             for callback in self._fault_listeners:
                 try:
                     callback()
@@ -199,21 +210,4 @@ class TensorParallelExecutor:
             if self._closed:
                 return
             self._closed = True
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.stop()
-        if self._dead is None:
-            for inbox in self._inboxes:
-                inbox.put(ShutdownMessage())
-            for proc in self._procs:
-                proc.join(_JOIN_S)
-        self._kill_workers()
-
-    def _kill_workers(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self._procs:
-            proc.join(_JOIN_S)
-        for inbox in self._inboxes:
-            inbox.close()
+        self._workers.stop(clean=self._dead is None)

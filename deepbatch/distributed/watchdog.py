@@ -45,7 +45,9 @@ class WorkerWatchdog:
         if self._stopped:
             return
         self._stopped = True
-        os.write(self._stop_w, b"x")
-        self._thread.join(5.0)
+        # From its own report (the dead engine ends the workers) the wait is already over.
+        if threading.current_thread() is not self._thread:
+            os.write(self._stop_w, b"x")
+            self._thread.join(5.0)
         os.close(self._stop_r)
         os.close(self._stop_w)

@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -49,9 +50,23 @@ class WorkerArgs:
     max_model_len: int
 
 
-def run_worker(args: WorkerArgs, inbox) -> None:
-    """Process entry point (``spawn``); ``inbox`` is the queue rank 0 puts messages on."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [tp-rank{args.rank}] %(message)s")
+def run_worker(args: WorkerArgs, inbox, started=None) -> None:
+    """Process entry point (forked or spawned, ``launch`` decides); ``inbox`` is the queue rank 0
+    puts messages on; ``started`` (an event) is set once this code runs. Stdout and stderr are
+    already the rank's log file."""
+    # Ctrl-C reaches the whole process group; rank 0 handles it and stops the workers cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked worker inherits rank 0's Python-level streams, which need not be fds 1 and 2 (a test
+    # runner's capture, a notebook's socket); write to the fds, which are this rank's log file.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # It inherits rank 0's logging set-up too; its records go to its own log instead.
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [tp-rank{args.rank}] %(message)s",
+                        stream=sys.stderr, force=True)
+    if started is not None:
+        started.set()
+    logger.info("tensor-parallel worker rank %d of %d: pid %d, parent %d", args.rank, args.world_size, os.getpid(),
+                os.getppid())
     # The entry point is this process's edge: the one place it reads the environment.
     fault = (envs.DEEPBATCH_FAULT_INJECT_WORKER_STEP, envs.DEEPBATCH_FAULT_INJECT_WORKER_MODE)
     try:

@@ -7,7 +7,8 @@ preempts from the end of that order, and admits waiting requests in key order. K
 - ``priority``: (priority, arrival); lower priority values first. A waiting request ages: every
                 ``priority_aging_s`` seconds of waiting improves its effective priority by one,
                 so nothing starves. Priority preempts: a waiting request that sorts before the
-                last running one takes its seat or its blocks.
+                last running one takes its seat or its blocks, and one that sorts before a
+                running prefill takes that prefill's share of the step's token budget.
 - ``fair``:     (tenant's virtual token count, arrival). Each scheduled token advances its
                 tenant's counter, so the tenant that has received the least service goes next;
                 tenants share the batch equally while both have work (max-min fairness).
@@ -23,6 +24,8 @@ from deepbatch.engine.request import Request
 
 class Policy:
     name = "fcfs"
+    # True when ``key`` and ``victim_key`` are one rank over both queues, so a waiting request may
+    # outrank running ones: it then takes their seat, their blocks or their prefill budget.
     preemptive = False
 
     def __init__(self, config: SchedulerConfig):

@@ -7,15 +7,26 @@ chunk of its prompt, a prefix-cache hit skips tokens, and a preempted request re
 prompt plus output. There is no prefill phase and no decode phase; everything falls out of that
 rule.
 
-The policy (``scheduler/policy.py``) only orders the queues and sets limits. When the KV cache
-cannot supply blocks for a running request, the scheduler preempts the running request that sorts
-last (by default: lowest priority, then latest arrival), by swap or by recompute as
-``scheduler/preemption.py`` decides. A preempted request keeps its arrival time and priority, so
-it goes back to its place in line; a swapped one resumes by swapping in when it reaches the head.
+The policy (``scheduler/policy.py``) only orders the queues and sets limits. Under a preemptive
+policy (priority) one rank orders both queues, so the same pass goes by rank: when a waiting
+request outranks a running request that is still prefilling, it is admitted at that point of
+the pass and the prefill's chunk gets only what is left (possibly nothing: it keeps its progress
+and continues in a later step); running decodes always keep their token::
+
+    running, by rank:   D1  P1  D2  P2  D3          D = decode, P = prefill chunk
+    waiting, by rank:   W (outranks P2, not P1)
+    budget pass:        D1  P1  D2  W   P2  D3      a chunk leaves a token per decode after it
+
+When the KV cache cannot supply blocks for a running request, the scheduler preempts the running
+request that sorts last (by default: lowest priority, then latest arrival), by swap or by
+recompute as ``scheduler/preemption.py`` decides; the budget alone never preempts anyone. A
+preempted request keeps its arrival time and priority, so it goes back to its place in line; a
+swapped one resumes by swapping in when it reaches the head.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -137,14 +148,37 @@ class Scheduler:
         if policy.preemptive:
             self._preempt_for_waiting(out, budget, now)
 
-        # Running requests first, in policy order; victims come from the end of that order.
+        # Under a preemptive policy one rank orders both queues, so the budget goes by rank: a
+        # running prefill chunk is served only after the waiting requests that outrank it are
+        # admitted (they take its budget; it keeps its progress), and every running decode keeps
+        # its one token whatever its rank (``decodes_left`` is held back from every chunk).
+        by_rank = policy.preemptive
+        decodes_left = sum(1 for r in self.running if self._tokens_to_run(r) == 1) if by_rank else 0
+        admission_open = True
+        skipped: list[Request] = []
+
+        # Running requests in policy order; victims come from the end of that order.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending_tokens and self._reaches_length(request):
+            num_todo = self._tokens_to_run(request)
+            if num_todo == 0:
                 i += 1  # its pending token is its last; nothing more to run
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            limit = budget
+            if by_rank:
+                if num_todo == 1:
+                    decodes_left -= 1
+                else:
+                    if admission_open and self.waiting and policy.key(self.waiting[0], now) < policy.key(request, now):
+                        num_running = len(self.running)
+                        budget, admission_open = self._admit_waiting(out, budget, now, skipped, request, decodes_left)
+                        i += len(self.running) - num_running  # admitted ahead of it, by rank
+                    limit = budget - decodes_left
+                    if limit <= 0:
+                        i += 1  # its chunk is cut to nothing this step
+                        continue
+            num_new = min(num_todo, limit)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]  # possibly the request itself
                 if victim is request and len(self.running) == 1:
@@ -152,6 +186,8 @@ class Scheduler:
                     self.policy.on_released(request)
                     self._fail_never_fits(request, out)
                     break
+                if by_rank and victim is not request and self._tokens_to_run(victim) == 1:
+                    decodes_left -= 1  # a decode behind this one that will not run now
                 self.running.pop()
                 self.policy.on_released(victim)
                 self._preempt(victim, out)
@@ -169,32 +205,46 @@ class Scheduler:
         if out.preempted:
             self.waiting = deque(sorted([*self.waiting, *out.preempted], key=lambda r: policy.key(r, now)))
 
-        # Then waiting requests, in policy order, while budget and seats last.
-        static = self.config.static_batch_size
-        seats = self.max_num_seqs if static is None else (min(static, self.max_num_seqs) if not self.running else 0)
-        skipped: list[Request] = []
-        if static is None and self._hold_admission(seats, now):
-            seats = 0
-        while self.waiting and budget > 0 and len(self.running) < seats:
+        # Then the other waiting requests, in policy order, while budget and seats last.
+        if admission_open:
+            self._admit_waiting(out, budget, now, skipped)
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float, skipped: list[Request],
+                       outranks: Request | None = None, reserve: int = 0) -> tuple[int, bool]:
+        """Admit waiting requests from the head of the line while ``budget - reserve`` and seats
+        last; requests over their tenant's limits are moved to ``skipped``. With ``outranks`` (a
+        running request), only those whose key sorts before it, each placed in ``running`` by
+        rank. Returns the budget left and whether the line may still move this step (False once
+        its head must wait for blocks or seats)."""
+        policy = self.policy
+        seats = self._seats(now)
+        limit = None if outranks is None else policy.key(outranks, now)
+        while self.waiting and budget > reserve:
+            if len(self.running) >= seats:
+                return budget, False
             request = self.waiting[0]
+            if limit is not None and not policy.key(request, now) < limit:
+                break
             if request in out.preempted:
-                break  # not re-admitted in the step that preempted it
+                return budget, False  # not re-admitted in the step that preempted it
             if not policy.admissible(request, now):
                 skipped.append(self.waiting.popleft())  # over its tenant's limits; others may go
                 continue
             # A swapped-out request resumes from its own KV (swapped in), not from prefix hits.
             swapped = self.preemptor.swapped_tokens(request)
             hits, num_hit_tokens = ([], swapped) if swapped else self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = min(request.num_tokens - num_hit_tokens, budget - reserve)
             if self.config.admission == "predictive" and self.running and not self._predicted_fit(request, hits):
-                break  # would likely force a preemption later; wait for room
+                return budget, False  # would likely force a preemption later; wait for room
             if swapped:
                 fits = self.preemptor.swap_in(request, num_new, out.blocks_to_swap_in)
             else:
                 fits = self.kv_cache.allocate_slots(request, num_new, hits) is not None
             if not fits:
                 if self.running:
-                    break  # head of line waits; running requests free blocks as they finish
+                    return budget, False  # head of line waits; running requests free blocks as they finish
                 self.waiting.popleft()  # nothing holds blocks and it still does not fit
                 self._fail_never_fits(request, out)
                 continue
@@ -207,13 +257,29 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if limit is None:
+                self.running.append(request)
+            else:
+                bisect.insort(self.running, request, key=lambda r: policy.victim_key(r, now))
             policy.on_admitted(request)
             policy.on_scheduled(request, num_new, now)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
-        return out
+        return budget, True
+
+    def _seats(self, now: float) -> int:
+        """How many requests may be running once this step's admissions are done."""
+        static = self.config.static_batch_size
+        if static is not None:
+            return min(static, self.max_num_seqs) if not self.running else 0
+        return 0 if self._hold_admission(self.max_num_seqs, now) else self.max_num_seqs
+
+    def _tokens_to_run(self, request: Request) -> int:
+        """Tokens a running request still has to compute (1 for a decode); 0 when its pending
+        token is its last."""
+        if request.num_pending_tokens and self._reaches_length(request):
+            return 0
+        return request.num_tokens - request.num_computed_tokens
 
     def _hold_admission(self, seats: int, now: float) -> bool:
         """Admission batching (``admission_batch_size``): True while decodes run and fewer seats

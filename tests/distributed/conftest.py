@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(autouse=True)
+def worker_logs_in_tmp_path(tmp_path, monkeypatch):
+    """A failed engine keeps its workers' log directory (under the temp dir): keep those of the
+    tests that fail engines on purpose inside the test's own directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="package")
