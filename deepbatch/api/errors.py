@@ -24,6 +24,7 @@ MAX_MESSAGE_CHARS = 512
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -46,11 +47,14 @@ class APIError(Exception):
 
 
 def cap(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    return message if len(message) <= limit else message[: limit - 15] + "... (truncated)"
+    message = message if len(message) <= limit else message[: limit - 15] + "... (truncated)"
+    # An echoed input may hold a lone surrogate, which the UTF-8 reply body cannot carry.
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(error: APIError) -> dict:
-    info = ErrorInfo(message=cap(error.message), type=error.type, param=error.param, code=error.code)
+    param = None if error.param is None else cap(error.param, 256)
+    info = ErrorInfo(message=cap(error.message), type=error.type, param=param, code=error.code)
     return ErrorResponse(error=info).model_dump()
 
 
@@ -68,6 +72,10 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
+    ctx = first.get("ctx") or {}
+    if isinstance(ctx.get("param"), str):  # a whole-request check that names the field itself
+        return bad_request(first.get("msg", "invalid value"), param=ctx["param"],
+                           code=first.get("type", "invalid_value"))
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     # Union members show up as loc entries like "list[int]"; they name types, not fields.
     fields = [p for p in loc if not any(c in p for c in "[]|")]

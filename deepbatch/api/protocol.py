@@ -2,22 +2,69 @@
 
 Requests are strict: a string where a number belongs is a 400, not a silent coercion. Unknown
 fields are ignored, as OpenAI clients send fields this server does not use (tools, metadata).
+Every integer fits the type the engine keeps it in (a 70-bit ``top_k`` would wrap in a tensor),
+every float is finite, and every string is encodable text: JSON may carry a lone UTF-16
+surrogate (``"\\ud800"``) that no tokenizer, detokenizer or metrics label can take.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI's own limit; also keeps one request from creating an unbounded number of sequences.
 MAX_N = 128
 MAX_LOGPROBS = 20
 
+# Counts, ids and priorities end up in int32/int64 tensors or C loops. Ranges with a meaning
+# (max_tokens >= 1, top_k == -1 or >= 1, ...) are SamplingParams' to check; this is the type.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+# The seeded sampler keys its noise by the full 64-bit seed.
+Seed = Annotated[int, Field(ge=0, lt=2**64)]
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def unencodable_string(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` (models, dicts, lists;
+    dict keys included) that is not encodable as UTF-8, or None. Iterative: bodies nest as deep
+    as the JSON parser allows."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(v, BaseModel):
+            fields = {name: getattr(v, name) for name in type(v).model_fields}
+            stack.append((where, {**fields, **(v.__pydantic_extra__ or {})}))
+        elif isinstance(v, dict):
+            for k, x in reversed(v.items()):
+                key = f"{where}.{k}" if where else str(k)
+                stack.append((key, x))
+                stack.append((where or key, k))
+        elif isinstance(v, (list, tuple)):
+            # Token-id lists are the long ones: skip them in one C-level pass.
+            if not set(map(type, v)) <= {int}:
+                stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def check_encodable(model: BaseModel) -> None:
+    where = unencodable_string(model)
+    if where is not None:
+        raise PydanticCustomError(
+            "invalid_encoding", "{param}: the text is not valid Unicode (it holds a lone surrogate); send UTF-8",
+            {"param": where})
 
 
 class StreamOptions(_Request):
@@ -30,7 +77,7 @@ class SamplingRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -38,15 +85,15 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int32 = 0
+    stop_token_ids: list[Int32] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int32 = 0
 
     @field_validator("n")
     @classmethod
@@ -54,6 +101,11 @@ class SamplingRequest(_Request):
         if not 1 <= v <= MAX_N:
             raise ValueError(f"must be an integer in [1, {MAX_N}]")
         return v
+
+    @model_validator(mode="after")
+    def _encodable(self):
+        check_encodable(self)
+        return self
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -65,11 +117,11 @@ class CompletionRequest(SamplingRequest):
         {"type": "array", "items": {"type": "integer"}},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
     ]})
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int32 | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -96,26 +148,67 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    # Extra keys (tool_calls, tool_call_id, ...) pass through to the chat template.
-    model_config = ConfigDict(strict=True, extra="allow")
+    # Other keys (reasoning_content, ...) pass through to the chat template.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        # OpenAI: only an assistant turn may omit content (it may hold just tool calls).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def to_template(self) -> dict:
+        """The message as HF chat templates take it: content always a string (templates such as
+        SmolLM2's concatenate it, and None or a missing key fails there), tool-call arguments
+        as a mapping when they parse as one (templates render them with ``tojson``)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             msg["content"] = "".join(part.text for part in self.content)
+        elif self.content is None:
+            msg["content"] = ""
+        if self.tool_calls is not None:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                          "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
         return msg
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    # A "\ud800" escape inside the JSON text decodes to a lone surrogate: keep the text then.
+    return value if isinstance(value, dict) and unencodable_string(value) is None else text
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

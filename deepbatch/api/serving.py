@@ -4,13 +4,20 @@ Outputs from the engine are cumulative; this module turns them into OpenAI repli
 streaming into per-choice deltas. While a choice with stop strings is running, the last
 ``len(longest stop) - 1`` characters are held back: they may turn out to be the start of a stop
 string that the final text drops, and a streamed character cannot be taken back.
+
+Request ids are ``cmpl-<X-Request-Id>`` / ``chatcmpl-<X-Request-Id>`` when the client sends the
+header (a random uuid otherwise). With an API-keys file the auth gate puts the key's tenant and
+priority ceiling on the request's scope state; the tenant then replaces the body's ``user``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,16 +39,33 @@ from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
 from deepbatch.engine.outputs import CompletionOutput, RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams
 
-_TEMPLATE_RESERVED = {"tokenize", "add_generation_prompt", "return_dict", "return_tensors", "conversation"}
+logger = logging.getLogger(__name__)
+
+# Arguments of the engine's apply_chat_template besides the template variables, and of HF's.
+# chat_template_kwargs may not set them: they would collide with the call's own arguments, or
+# change what it returns (tokenize, return_dict, ...) or which template runs (chat_template).
+_TEMPLATE_CALL_ARGS = {"self", "messages", "conversation", "add_generation_prompt", "tokenize", "return_dict",
+                       "return_tensors", "chat_template", "tokenizer_kwargs", "padding", "truncation", "max_length",
+                       "return_assistant_tokens_mask", "sanitize_control_tokens"}
+# HF arguments that are template inputs a client may set.
+_TEMPLATE_INPUTS = {"tools", "documents", "continue_final_message"}
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# The engine error about a request id can only come from a client-chosen one.
+_ID_ALIAS = {"request_id": "X-Request-Id"}
 
 
 def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> APIError:
     """The HTTP answer to an error raised while accepting a request."""
     if isinstance(e, InvalidRequestError):
-        param = (param_alias or {}).get(e.param, e.param)
-        return APIError(400, e.message, param=param, code=e.code)
+        param = {**_ID_ALIAS, **(param_alias or {})}.get(e.param, e.param)
+        message = e.message
+        if param != e.param and message.startswith(f"{e.param}: "):
+            message = f"{param}: {message[len(e.param) + 2:]}"
+        return APIError(400, message, param=param, code=e.code)
     if isinstance(e, QueueFullError):
-        return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
+        retry_after = max(1, math.ceil(e.retry_after))
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": str(retry_after)})
     if isinstance(e, EngineDrainingError):
         return APIError(503, str(e), code="server_draining")
     if isinstance(e, EngineDeadError):
@@ -74,6 +98,8 @@ class OpenAIServing:
         self.model_names = served_model_names
         self.vocab_size = engine.engine.hf_config.vocab_size
         self._token_text: dict[int, str] = {}
+        hf_args = _named_arguments(getattr(engine.tokenizer, "apply_chat_template", None))
+        self._template_reserved = _TEMPLATE_CALL_ARGS | (hf_args - _TEMPLATE_INPUTS)
 
     @property
     def model_name(self) -> str:
@@ -82,6 +108,36 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model and model not in self.model_names:
             raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    def check_priority(self, req: SamplingRequest, raw: Request) -> None:
+        """An API key's priority ceiling (set by the auth gate): lower values run first, so a
+        request may not ask for a priority below it."""
+        ceiling = getattr(raw.state, "max_priority", None)
+        if ceiling is not None and req.priority < ceiling:
+            raise APIError(403, f"priority {req.priority} is not allowed for this API key; the most urgent it may "
+                           f"ask for is {ceiling}", param="priority", code="priority_not_allowed")
+
+    @staticmethod
+    def tenant(req: SamplingRequest, raw: Request) -> str:
+        # A key's tenant is who pays; the body's user is then only the client's own label.
+        return getattr(raw.state, "tenant", None) or req.user or "default"
+
+    @staticmethod
+    def request_id(prefix: str, raw: Request) -> str:
+        given = raw.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if _REQUEST_ID.fullmatch(given) is None:
+            raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", "X-Request-Id")
+        return f"{prefix}-{given}"
+
+    def template_kwargs(self, req: ChatCompletionRequest) -> dict:
+        kwargs = req.chat_template_kwargs or {}
+        reserved = sorted(k for k in kwargs if k in self._template_reserved)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (an argument of the "
+                              "template call, not a template variable)", "chat_template_kwargs")
+        return kwargs
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -122,24 +178,19 @@ class OpenAIServing:
             raise engine_error(e, param_alias) from None
 
     async def _submit(self, request_id: str, prompts: list, params: SamplingParams, req: SamplingRequest,
-                      param_alias: dict[str, str] | None = None) -> list[RequestStream]:
-        arrival = time.monotonic()
-        streams: list[RequestStream] = []
+                      raw: Request, param_alias: dict[str, str] | None = None) -> list[RequestStream]:
+        pairs = [(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(
-                    rid, prompt, params, priority=req.priority, tenant=req.user or "default", arrival_time=arrival))
-        except BaseException as e:
-            for s in streams:  # one bad prompt of several queues nothing
-                self.engine.abort(s.request_id)
-            if isinstance(e, Exception):
-                raise engine_error(e, param_alias) from None
-            raise
-        return streams
+            # All or none: one bad prompt of several queues nothing.
+            return await self.engine.add_requests(pairs, params, priority=req.priority, tenant=self.tenant(req, raw),
+                                                  arrival_time=time.monotonic())
+        except Exception as e:
+            raise engine_error(e, param_alias) from None
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        request_id = self.request_id("cmpl", raw)
+        self.check_priority(req, raw)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -149,8 +200,7 @@ class OpenAIServing:
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(request_id, prompts, params, req)
+        streams = await self._submit(request_id, prompts, params, req, raw)
         if req.stream:
             spec = _StreamSpec(req.n, _include_usage(req), chat=False, echo=req.echo, hold=_hold(params))
             return self._sse_response(request_id, streams, spec)
@@ -169,22 +219,23 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        request_id = self.request_id("chatcmpl", raw)
+        self.check_priority(req, raw)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # Name the field the client sent in errors about the engine's equivalent.
-        alias = {"logprobs": "top_logprobs"}
+        alias = {"logprobs": "top_logprobs", "prompt": "messages"}
         if req.max_completion_tokens is not None:
             alias["max_tokens"] = "max_completion_tokens"
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, alias)
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+        kwargs = self.template_kwargs(req)
         try:
             ids = await self.engine.apply_chat_template(
                 [m.to_template() for m in req.messages], add_generation_prompt=req.add_generation_prompt, **kwargs)
         except InvalidRequestError as e:
             raise engine_error(e) from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(request_id, [{"prompt_token_ids": ids}], params, req, alias)
+        streams = await self._submit(request_id, [{"prompt_token_ids": ids}], params, req, raw, alias)
         if req.stream:
             spec = _StreamSpec(req.n, _include_usage(req), chat=True, hold=_hold(params),
                                top_logprobs=req.top_logprobs or 0)
@@ -208,8 +259,8 @@ class OpenAIServing:
         """Every request's final output; None if the client went away (its requests are aborted)."""
         try:
             outs = await run_until_disconnect(raw, asyncio.gather(*(s.result() for s in streams)))
-        except EngineDeadError as e:
-            raise APIError(500, str(e), code="engine_dead") from None
+        except Exception as e:
+            raise _failure(e) from None
         finally:
             self._abort_unfinished(streams)
         if outs is not None:
@@ -247,8 +298,8 @@ class OpenAIServing:
                     usage = self._usage(list(finals.values()))
                     yield _sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=[],
                                          usage=usage))
-        except EngineDeadError as e:
-            yield _sse_error(APIError(500, str(e), code="engine_dead"))
+        except Exception as e:  # the reply has started: the error goes into the stream, which still ends
+            yield _sse_error(_failure(e))
         finally:
             self._abort_unfinished(streams)
         yield "data: [DONE]\n\n"
@@ -328,6 +379,29 @@ class OpenAIServing:
                 top_logprobs=[ChatTokenLogProb(token=self.token_text(t), logprob=_finite(v),
                                                bytes=list(self.token_text(t).encode())) for t, v in alternatives]))
         return ChatChoiceLogProbs(content=content)
+
+
+def _failure(e: Exception) -> APIError:
+    """The answer to a request that failed after it was accepted."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(500, str(e), code="engine_dead")
+    if isinstance(e, InvalidRequestError):  # refused by the engine thread's own checks
+        return engine_error(e)
+    logger.error("request failed", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+def _named_arguments(fn) -> set[str]:
+    """The names ``fn`` takes besides ``**kwargs``; empty when there is no ``fn``."""
+    if fn is None:
+        return set()
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def _finite(logprob: float) -> float:

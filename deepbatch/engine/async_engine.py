@@ -13,6 +13,11 @@ a lock that is held for a few instructions. ``make_requests`` (validation, token
 only immutable engine state and runs in a thread pool, so a bad request fails synchronously,
 before anything is queued.
 
+The waiting queue is bounded (``max_queued_requests`` sequences, ``max_queued_tokens`` prompt
+tokens). A request larger than a bound can never be accepted and is an InvalidRequestError; one
+that does not fit now gets QueueFullError with ``retry_after``: the time the queue's measured
+drain rate needs to make room for it.
+
 A step that raises kills the engine: every in-flight request gets ``EngineDeadError``, new
 requests are refused with it, and the dead callbacks run (the server exits non-zero). A
 tensor-parallel rank that fails while the engine is idle wakes the engine thread, whose
@@ -23,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -43,10 +50,20 @@ logger = logging.getLogger(__name__)
 # step in progress must end before the engine thread sees the aborts.
 _ABORT_GRACE_S = 30.0
 
+# Retry-After: the drain rate is measured over this much recent time; before anything has been
+# measured a retry is suggested after the fallback; no suggestion exceeds the cap.
+_DRAIN_WINDOW_S = 10.0
+_RETRY_AFTER_FALLBACK_S = 1.0
+_RETRY_AFTER_MAX_S = 60.0
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_queued_requests`` sequences or ``max_queued_tokens``
-    prompt tokens; retry later."""
+    prompt tokens; retry after ``retry_after`` seconds (>= 1)."""
+
+    def __init__(self, message: str, retry_after: float = _RETRY_AFTER_FALLBACK_S):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineDrainingError(RuntimeError):
@@ -74,6 +91,49 @@ class _Abort:
 Observer = Callable[[list[RequestOutput]], None]
 
 
+class _DrainRate:
+    """Sequences and prompt tokens leaving the waiting queue per second (admitted, or prefilled
+    in part), over the iterations of the last ``_DRAIN_WINDOW_S`` seconds that found a backlog.
+    Only those count: a request that arrives while seats are free is admitted at once, and that
+    speed says nothing about how fast a full queue makes room. Fed by the engine thread;
+    ``rates`` is replaced whole, so the event loop reads it without a lock."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float, int, int]] = deque()  # (end, seconds, seqs, tokens)
+        self._seconds = 0.0
+        self._seqs = 0
+        self._tokens = 0
+        self.rates: tuple[float, float] | None = None  # (seqs/s, tokens/s); None: nothing measured
+
+    def observe(self, start: float, end: float, backlog: bool, before: tuple[int, int],
+                after: tuple[int, int]) -> None:
+        """One iteration from ``start`` to ``end``: ``backlog`` whether requests were waiting
+        when it began, ``before``/``after`` the waiting (sequences, tokens) around its step."""
+        if not backlog:
+            return
+        sample = (end, end - start, max(0, before[0] - after[0]), max(0, before[1] - after[1]))
+        self._samples.append(sample)
+        self._seconds += sample[1]
+        self._seqs += sample[2]
+        self._tokens += sample[3]
+        while self._samples[0][0] < end - _DRAIN_WINDOW_S:
+            _, seconds, seqs, tokens = self._samples.popleft()
+            self._seconds -= seconds
+            self._seqs -= seqs
+            self._tokens -= tokens
+        if self._seconds > 0:
+            # A window in which nothing left still bounds the rate: under one per window.
+            self.rates = (max(self._seqs, 1) / self._seconds, max(self._tokens, 1) / self._seconds)
+
+    def retry_after(self, excess_seqs: int, excess_tokens: int) -> float:
+        """Seconds until ``excess_seqs`` sequences and ``excess_tokens`` tokens have left."""
+        if self.rates is None:
+            return _RETRY_AFTER_FALLBACK_S
+        seq_rate, token_rate = self.rates
+        wait = max(excess_seqs / seq_rate, excess_tokens / token_rate)
+        return min(max(wait, 1.0), _RETRY_AFTER_MAX_S)
+
+
 class AsyncEngine:
     def __init__(self, engine, *, max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  tokenizer_threads: int = 2, fault_inject_step: int | None = None):
@@ -95,6 +155,11 @@ class AsyncEngine:
         self._faulted = False  # a rank failed between steps; the engine thread will find out
         self._dead: EngineDeadError | None = None
         self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet answered
+        # Event-loop side: every id a request not yet answered holds in the engine, its samples'
+        # ids ("<id>-<i>") included, so that a caller-chosen id never collides with one of them.
+        self._ids_in_use: set[str] = set()
+        self._ids_of: dict[str, list[str]] = {}
+        self._drain_rate = _DrainRate()
         self._active: dict[str, RequestStream] = {}  # engine-thread side: requests in the engine
         self._observers: list[Observer] = []
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
@@ -185,10 +250,11 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def apply_chat_template(self, messages: list[dict], **kwargs) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict], /, **kwargs) -> list[int]:
         return await self._in_pool(self.engine.apply_chat_template, messages, **kwargs)
 
-    async def _in_pool(self, fn, *args, **kwargs):
+    async def _in_pool(self, fn, /, *args, **kwargs):
+        # Positional-only: caller keyword arguments (chat template variables) may be named "fn".
         return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
 
     async def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, *,
@@ -196,25 +262,46 @@ class AsyncEngine:
                           arrival_time: float | None = None) -> RequestStream:
         """Validate (raising InvalidRequestError, QueueFullError, EngineDrainingError or
         EngineDeadError) and enqueue one request; its updates arrive on the returned stream."""
-        self._check_accepting(0)
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        requests = await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant, arrival)
-        first = requests[0]
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        # Token ids travel to the engine thread, so it never tokenizes (it re-validates cheaply).
-        prompt_dict = {"prompt_token_ids": first.prompt_token_ids, "prompt": first.prompt}
-        cmd = _Add(request_id, prompt_dict, params, priority, tenant, arrival, stream, len(requests))
-        num_tokens = len(first.prompt_token_ids) * len(requests)
-        with self._cond:
-            self._check_accepting(len(requests), num_tokens)
-            self._inbox.append(cmd)
-            self._pending_seqs += len(requests)
-            self._pending_tokens += num_tokens
-            self._cond.notify()
-        self._streams[request_id] = stream
-        return stream
+        streams = await self.add_requests([(request_id, prompt)], params, priority=priority, tenant=tenant,
+                                          arrival_time=arrival_time)
+        return streams[0]
+
+    async def add_requests(self, prompts: list[tuple[str, str | list[int] | dict]], params: SamplingParams, *,
+                           priority: int = 0, tenant: str = "default",
+                           arrival_time: float | None = None) -> list[RequestStream]:
+        """``add_request`` for the ``(request_id, prompt)`` pairs of one API call, all or none:
+        the queue bounds apply to them together, and if one is refused none is queued."""
+        self._check_accepting()
+        num_seqs = params.n * len(prompts)
+        self._check_fits(num_seqs, 0, params.n)
+        self._reserve_ids([request_id for request_id, _ in prompts], params.n)
+        try:
+            arrival = time.monotonic() if arrival_time is None else arrival_time
+            made = [await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant,
+                                        arrival) for request_id, prompt in prompts]
+            num_tokens = sum(len(requests[0].prompt_token_ids) * len(requests) for requests in made)
+            self._check_fits(num_seqs, num_tokens, params.n)
+            loop = asyncio.get_running_loop()
+            commands = []
+            for (request_id, _), requests in zip(prompts, made):
+                first = requests[0]
+                # Token ids travel to the engine thread, so it never tokenizes (it re-validates cheaply).
+                prompt_dict = {"prompt_token_ids": first.prompt_token_ids, "prompt": first.prompt}
+                commands.append(_Add(request_id, prompt_dict, params, priority, tenant, arrival,
+                                     RequestStream(request_id, loop), len(requests)))
+            with self._cond:
+                self._check_accepting(num_seqs, num_tokens)
+                self._inbox.extend(commands)
+                self._pending_seqs += num_seqs
+                self._pending_tokens += num_tokens
+                self._cond.notify()
+        except BaseException:
+            for request_id, _ in prompts:
+                self._forget(request_id)
+            raise
+        for cmd in commands:
+            self._streams[cmd.request_id] = cmd.stream
+        return [cmd.stream for cmd in commands]
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                        **kwargs) -> AsyncIterator[RequestOutput]:
@@ -236,23 +323,64 @@ class AsyncEngine:
                 self._inbox.append(_Abort(request_id))
                 self._cond.notify()
 
-    def _check_accepting(self, num_seqs: int, num_tokens: int = 0) -> None:
+    def _reserve_ids(self, request_ids: list[str], n: int) -> None:
+        # The engine names a parent's samples "<id>-<i>"; those ids are taken too.
+        ids_of = {r: [r] + ([f"{r}-{i}" for i in range(n)] if n > 1 else []) for r in request_ids}
+        taken = next((i for ids in ids_of.values() for i in ids if i in self._ids_in_use), None)
+        if taken is not None:
+            raise InvalidRequestError("request_id", f"request id {taken!r} is already in use",
+                                      code="duplicate_request_id")
+        for ids in ids_of.values():
+            self._ids_in_use.update(ids)
+        self._ids_of.update(ids_of)
+
+    def _forget(self, request_id: str) -> None:
+        """The request has been answered: its id and its samples' ids are free again."""
+        self._streams.pop(request_id, None)
+        self._ids_in_use.difference_update(self._ids_of.pop(request_id, ()))
+
+    def _check_fits(self, num_seqs: int, num_tokens: int, n: int) -> None:
+        """A request larger than a queue bound would get 429 forever, even from an idle server."""
+        limit = self.max_queued_requests
+        if limit is not None and num_seqs > limit:
+            raise InvalidRequestError(
+                "n" if n > limit else "prompt",
+                f"the request needs {num_seqs} sequences (prompts x n); the waiting queue holds at most {limit}",
+                code="exceeds_queue_limit")
+        limit = self.max_queued_tokens
+        if limit is not None and num_tokens > limit:
+            raise InvalidRequestError(
+                "prompt", f"the request needs {num_tokens} prompt tokens (prompt tokens x n); the waiting queue "
+                f"holds at most {limit}", code="exceeds_queue_limit")
+
+    def _check_accepting(self, num_seqs: int = 0, num_tokens: int = 0) -> None:
         if self._dead is not None:
             raise self._dead
         if self._draining or self._stopping:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        excess_seqs = excess_tokens = 0
+        full = []
         limit = self.max_queued_requests
-        if num_seqs and limit is not None and self._pending_seqs + self._num_waiting + num_seqs > limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} sequences); retry later")
+        if num_seqs and limit is not None:
+            excess_seqs = self._pending_seqs + self._num_waiting + num_seqs - limit
+            if excess_seqs > 0:
+                full.append(f"{limit} sequences")
         limit = self.max_queued_tokens
-        if num_tokens and limit is not None and self._pending_tokens + self._num_waiting_tokens + num_tokens > limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} prompt tokens); retry later")
+        if num_tokens and limit is not None:
+            excess_tokens = self._pending_tokens + self._num_waiting_tokens + num_tokens - limit
+            if excess_tokens > 0:
+                full.append(f"{limit} prompt tokens")
+        if full:
+            retry_after = self._drain_rate.retry_after(max(excess_seqs, 0), max(excess_tokens, 0))
+            raise QueueFullError(f"the waiting queue is full ({' and '.join(full)}); retry in "
+                                 f"{math.ceil(retry_after)} s", retry_after)
 
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         engine = self.engine
         has_work = False
+        busy_since: float | None = None  # the end of the last iteration, while work carries over
         try:
             while True:
                 with self._cond:
@@ -261,10 +389,13 @@ class AsyncEngine:
                     if self._stopping:
                         break
                     commands, self._inbox = self._inbox, []
+                start = time.monotonic() if busy_since is None else busy_since
+                backlog = self._num_waiting > 0  # as of the last step, before this inbox
                 if self._faulted:
                     self._faulted = False
                     engine.check_health()  # raises: the engine dies below
                 outputs = self._apply(commands)
+                waiting_before = (self._num_waiting, self._num_waiting_tokens)
                 idle = False
                 if engine.has_unfinished_requests():
                     self._num_step_calls += 1
@@ -276,6 +407,10 @@ class AsyncEngine:
                 has_work = engine.has_unfinished_requests()
                 self._dispatch(outputs)
                 self._publish_snapshot(refresh=not has_work)
+                end = time.monotonic()
+                waiting_after = (self._num_waiting, self._num_waiting_tokens)
+                self._drain_rate.observe(start, end, backlog, waiting_before, waiting_after)
+                busy_since = end if has_work else None
                 if idle and has_work:
                     # Nothing could be scheduled (waiting on KV blocks that no step will free):
                     # wake on the next command instead of spinning.
@@ -303,6 +438,11 @@ class AsyncEngine:
             try:
                 engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.tenant, cmd.arrival_time)
             except InvalidRequestError as e:  # validated already; answer this request, keep serving
+                self._post(self._deliver_error, [(cmd.stream, e)])
+                continue
+            except Exception as e:  # noqa: BLE001 - one request that cannot be queued ends alone
+                logger.exception("request %s could not be queued", cmd.request_id)
+                engine.abort_request(cmd.request_id)  # whatever part of it was queued
                 self._post(self._deliver_error, [(cmd.stream, e)])
                 continue
             self._active[cmd.request_id] = cmd.stream
@@ -380,10 +520,10 @@ class AsyncEngine:
         for stream, out in items:
             stream._put(out)
             if out.finished:
-                self._streams.pop(stream.request_id, None)
+                self._forget(stream.request_id)
 
     def _deliver_error(self, items: list[tuple[RequestStream, BaseException]]) -> None:
         for stream, error in items:
             stream._fail(error)
-            self._streams.pop(stream.request_id, None)
+            self._forget(stream.request_id)
 

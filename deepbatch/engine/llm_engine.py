@@ -153,7 +153,10 @@ class LLMEngine:
         except Exception as e:  # e.g. a lone surrogate: text no tokenizer can encode
             raise InvalidRequestError("prompt", f"the prompt cannot be tokenized: {type(e).__name__}: {e}"[:300]) from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        # ``messages`` is positional-only so that a template variable of that name is a template
+        # variable, not a second value for the argument.
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
         try:
