@@ -31,6 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
+                   help="KV cache storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with the checkpoint's "
+                        "per-layer k_scale/v_scale (else 1.0); int8 with a scale per token and KV head")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
@@ -95,7 +98,8 @@ def engine_config_from_args(args: argparse.Namespace):
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.num_gpu_blocks_override, swap_space=args.swap_space,
                           swap_prefill_tokens_per_s=args.swap_prefill_tokens_per_s,
-                          swap_host_link_bytes_per_s=args.swap_host_link_bytes_per_s),
+                          swap_host_link_bytes_per_s=args.swap_host_link_bytes_per_s,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
             priority_aging_s=args.priority_aging_s,
@@ -118,6 +122,7 @@ def engine_config_from_args(args: argparse.Namespace):
         fused_sampler=args.fused_sampler,
         async_scheduling=args.async_scheduling,
         parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_timeout_s),
+        fault_inject_sample_request=envs.DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST,
     )
 
 
@@ -133,7 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model name(s) clients use; the first is reported (default: the model's)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: $DEEPBATCH_API_KEY)")
+                            "(default: $DEEPBATCH_API_KEY); it binds no tenant: the request's user field names it")
+    serve.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="API keys bound to tenants, one per line: 'KEY TENANT [priority_ceiling=N] "
+                            "[max_concurrent=N]' ('#' comments); reloaded on SIGHUP; works beside --api-key")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="waiting sequences beyond which requests get 429 (0: no limit)")
     serve.add_argument("--max-queued-tokens", type=int, default=0,
@@ -184,14 +192,17 @@ def _doctor(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
+    from deepbatch.api.auth import load_keys
     from deepbatch.api.server import ServerConfig, run_server
     from deepbatch.engine.async_engine import AsyncEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     config = engine_config_from_args(args)
+    api_key = args.api_key or envs.DEEPBATCH_API_KEY
+    load_keys(args.api_keys_file, api_key)  # a bad keys file fails now, not after the model has loaded
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
-        api_key=args.api_key or envs.DEEPBATCH_API_KEY, shutdown_timeout=args.shutdown_timeout,
+        api_key=api_key, api_keys_file=args.api_keys_file, shutdown_timeout=args.shutdown_timeout,
         max_request_body_bytes=envs.DEEPBATCH_MAX_REQUEST_BODY_BYTES,
         log_stats_interval=envs.DEEPBATCH_LOG_STATS_INTERVAL,
     )

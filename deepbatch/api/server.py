@@ -1,43 +1,59 @@
 """The OpenAI-compatible HTTP server: app factory, auth, request gate, routes, graceful drain.
 
-    uvicorn (event loop)  --  FastAPI routes  --  OpenAIServing  --  AsyncEngine (engine thread)
+    uvicorn (event loop)  --  _Gate  --  FastAPI routes  --  OpenAIServing  --  AsyncEngine (engine thread)
 
-Lifecycle:
+Lifecycle (exit statuses in ``EXIT_*``):
 - start: the model loads before the port opens, so a reachable /health means ready;
 - SIGTERM / SIGINT: drain. /health and every /v1 route answer 503, in-flight requests run until
-  ``shutdown_timeout``, the rest end with finish_reason "abort", then the process exits 0.
-  A second signal exits at once;
+  ``shutdown_timeout``, the rest end with finish_reason "abort", then the process exits 0;
+- a second SIGTERM / SIGINT during the drain: the engine stops after the step in progress, every
+  in-flight request ends with an error (a stream with an error event and ``[DONE]``), and once
+  those replies are written (or after ``_FORCED_FLUSH_S``) the process exits 3;
 - a failed model step: in-flight requests get an error, /health answers 503, and after a short
-  grace (so health checkers see the 503) the process exits 1.
+  grace (so health checkers see the 503) the process exits 1;
+- SIGHUP: reload ``--api-keys-file`` (a malformed file keeps the keys in force).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import signal
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 import deepbatch
+from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
 from deepbatch.api.errors import APIError, bad_request, error_response, from_validation_error, install_error_handlers
 from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
-from deepbatch.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deepbatch.api.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse, ModelCard,
+    ModelList,
+)
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("deepbatch.server")
 
+EXIT_OK = 0  # drained (or stopped before serving)
+EXIT_ENGINE_DEAD = 1  # a model step failed
+# A second signal cut the drain short. Not 2: that is the command line's usage-error status.
+EXIT_FORCED = 3
+
 # How long a dead server keeps answering 503 before it exits, so health checks can see it.
 _DEAD_EXIT_GRACE_S = 2.0
+# After a second signal, longest the error replies of in-flight requests may take to be written
+# before the connections are cut (a client that stops reading must not hold the exit up).
+_FORCED_FLUSH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,7 @@ class ServerConfig:
     port: int = 8000
     served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
     api_key: str | None = None
+    api_keys_file: str | None = None  # keys bound to tenants (deepbatch/api/auth.py); reloaded on SIGHUP
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 4 << 20
     log_stats_interval: float = 10.0
@@ -54,7 +71,10 @@ class ServerConfig:
 @dataclass
 class ServerState:
     draining: bool = False
-    exit_code: int = 0
+    forcing: bool = False  # a second signal arrived: in-flight requests are being failed
+    exit_code: int = EXIT_OK
+    keys: KeyTable | None = None  # None: no authentication
+    open_requests: int = 0  # HTTP requests whose reply has not been fully written
     server: uvicorn.Server | None = None
     loop: asyncio.AbstractEventLoop | None = None
     tasks: set = field(default_factory=set)
@@ -65,33 +85,130 @@ class ServerState:
         task.add_done_callback(self.tasks.discard)
 
 
-class _Gate:
-    """Pure-ASGI checks before routing: API key on every route but /health, and 503 on /v1 while
-    draining or dead. (Starlette's BaseHTTPMiddleware would hide client disconnects.)"""
+def bearer_token(headers) -> bytes | None:
+    """The credentials of ``Authorization: Bearer <token>`` (scheme in any case, surrounding
+    whitespace ignored), else None."""
+    raw = next((v for k, v in headers if k == b"authorization"), None)
+    if raw is None:
+        return None
+    parts = raw.strip().split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
 
-    def __init__(self, app, engine: AsyncEngine, state: ServerState, api_key: str | None):
+
+class _Gate:
+    """Pure-ASGI checks before routing: API key on every route but /health (binding the request
+    to the key's tenant and priority ceiling in ``scope["state"]``), the key's in-flight limit,
+    and 503 on /v1 while draining or dead. It also counts replies not yet written, so a forced
+    exit can wait for them. (Starlette's BaseHTTPMiddleware would hide client disconnects.)"""
+
+    def __init__(self, app, engine: AsyncEngine, state: ServerState):
         self.app = app
         self.engine = engine
         self.state = state
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.in_flight: dict[bytes, int] = {}  # key digest -> requests in flight
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            error = self._check(scope)
-            if error is not None:
-                return await error_response(error)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        error, key = self._admit(scope)
+        if error is not None:
+            return await error_response(error)(scope, receive, send)
+        state = self.state
+        state.open_requests += 1
+        if key is not None:
+            self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        released = False
 
-    def _check(self, scope) -> APIError | None:
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                state.open_requests -= 1
+                if key is not None:
+                    left = self.in_flight[key] - 1
+                    if left:
+                        self.in_flight[key] = left
+                    else:
+                        del self.in_flight[key]
+
+        async def tracked_send(message) -> None:
+            await send(message)
+            # The last body part is written: the seat is free even if the app has more to do.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        finally:  # a disconnect or an error: no final body part was sent
+            release()
+
+    def _admit(self, scope) -> tuple[APIError | None, bytes | None]:
         path = scope["path"]
-        if self.expected is not None and path != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        keys = self.state.keys
+        digest = None
+        if keys is not None and path != "/health":
+            token = bearer_token(scope["headers"])
+            found = keys.lookup(token) if token else None
+            if found is None:
+                return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"}), None
+            digest, entry = found
+            request_state = scope.setdefault("state", {})
+            request_state["tenant"] = entry.tenant
+            request_state["max_priority"] = entry.max_priority
         if path.startswith("/v1/") and (self.state.draining or self.engine.is_dead):
             code = "engine_dead" if self.engine.is_dead else "server_draining"
-            return APIError(503, "the server is shutting down; retry on another replica", code=code)
-        return None
+            return APIError(503, "the server is shutting down; retry on another replica", code=code), None
+        if digest is not None:
+            limit = entry.max_concurrent
+            if limit is not None and self.in_flight.get(digest, 0) >= limit:
+                return APIError(429, f"this API key already has {limit} request(s) in flight (its max_concurrent); "
+                                     "retry when one finishes", code="rate_limit_exceeded",
+                                headers={"Retry-After": "1"}), None
+        return None, digest
+
+
+def reload_keys(state: ServerState, config: ServerConfig) -> None:
+    """Reread ``--api-keys-file``; a file that does not parse leaves the keys in force."""
+    try:
+        keys = load_keys(config.api_keys_file, config.api_key)
+    except KeyFileError as e:
+        logger.error("API keys not reloaded, the previous ones stay in force: %s", e)
+        return
+    state.keys = keys
+    logger.info("reloaded %d API key(s) from %s", len(keys), config.api_keys_file)
+
+
+class HealthStatus(BaseModel):
+    """``ok`` (200): serving. ``draining`` (503): shutting down, finishing in-flight requests.
+    ``dead`` (503): a model step failed; ``error`` says why and the process is about to exit."""
+
+    status: Literal["ok", "draining", "dead"]
+    error: str | None = None
+
+
+_ERROR_MEANINGS = {
+    400: "Invalid request: a field, the JSON body, or a prompt that does not fit the context",
+    401: "Missing or unknown API key (send Authorization: Bearer <key>)",
+    403: "The API key may not ask for this priority (its priority_ceiling)",
+    404: "Unknown model, or the feature is off",
+    413: "The request body is over the size limit",
+    429: "Too many requests: the waiting queue is full, or the API key's max_concurrent is reached; see Retry-After",
+    500: "The engine failed while running the request",
+    503: "The server is draining for shutdown, or its engine is dead; retry on another replica",
+}
+
+
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s]} for s in statuses if s}
+
+
+def _generation_reply(model) -> dict:
+    return {200: {"model": model, "description": "The reply; with stream=true, server-sent events of chunks, "
+                                                 "then 'data: [DONE]'",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def _reject_constant(name: str):
@@ -125,12 +242,12 @@ def _openapi_body(model) -> dict:
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     names = list(config.served_model_names) or [engine.model_name]
-    state = ServerState()
+    state = ServerState(keys=load_keys(config.api_keys_file, config.api_key))
     serving = OpenAIServing(engine, names)
     metrics = ServerMetrics(engine, names[0])
 
     def on_engine_dead(error) -> None:  # on the event loop
-        state.exit_code = 1
+        state.exit_code = EXIT_ENGINE_DEAD
         logger.error("the engine is dead (%s); exiting in %.0f s", error, _DEAD_EXIT_GRACE_S)
 
         async def exit_later() -> None:
@@ -156,7 +273,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server_state = state
     app.state.engine = engine
     install_error_handlers(app)
-    app.add_middleware(_Gate, engine=engine, state=state, api_key=config.api_key)
+    app.add_middleware(_Gate, engine=engine, state=state)
+    # Each route lists the errors it can answer, so clients and fuzzers can hold replies to them.
+    auth = 401 if state.keys is not None else 0
+    per_key = config.api_keys_file is not None  # priority ceilings and in-flight limits
+    gated = _errors(auth, 429 if per_key else 0)
+    generate = _errors(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
 
     async def parse(request: Request, model):
         body = await read_json_object(request, config.max_request_body_bytes)
@@ -165,32 +287,39 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest),
+              responses={**_generation_reply(CompletionResponse), **generate})
     async def completions(request: Request) -> Response:
         return await serving.completions(await parse(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest),
+              responses={**_generation_reply(ChatCompletionResponse), **generate})
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await parse(request, ChatCompletionRequest), request)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses={**gated, **_errors(503)})
     async def models() -> ModelList:
         root = getattr(getattr(engine.engine, "source", None), "path", None)
         return ModelList(data=[ModelCard(id=n, root=root, max_model_len=engine.max_model_len) for n in names])
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus,
+             responses={503: {"model": HealthStatus, "description": "Draining or dead: take this replica out"}})
     async def health() -> Response:
+        """200 ``{"status": "ok"}`` while serving; 503 ``draining`` or ``dead`` (with ``error``)."""
         if engine.is_dead:
-            return JSONResponse({"status": "dead"}, status_code=503)
+            return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    # A plain Response class: FastAPI would otherwise document the text reply as JSON too.
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **gated})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/controller")
+    @app.get("/v1/controller", responses={**gated, **_errors(404, 503)})
     async def controller() -> dict:
         """The SLO controller's settings, targets, step-time model, observed p99s and frontier."""
         report = engine.snapshot().controller
@@ -199,11 +328,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                            code="controller_off")
         return report.as_dict()
 
-    @app.get("/stats")
+    @app.get("/stats", responses=gated)
     async def stats() -> dict:
         return engine_stats(engine.snapshot())
 
-    @app.get("/version")
+    @app.get("/version", responses=gated)
     async def version() -> dict:
         return {"version": deepbatch.__version__}
 
@@ -238,7 +367,8 @@ def _call_soon(loop, fn, *args) -> None:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn whose first SIGTERM/SIGINT drains instead of closing the port at once."""
+    """uvicorn whose first SIGTERM/SIGINT drains instead of closing the port at once, and whose
+    second fails the in-flight requests with a proper ending instead of cutting them off."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
         super().__init__(config)
@@ -250,15 +380,21 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it after serving, and the
         # default SIGTERM action would turn a clean drain into a death by signal.
-        loop = self.app_state.loop
-        if self.app_state.draining or loop is None:
+        state = self.app_state
+        loop = state.loop
+        name = signal.Signals(sig).name
+        if loop is None:  # not serving yet
             self.should_exit = True
-            if self.app_state.draining:
-                self.force_exit = True
-            return
-        self.app_state.draining = True
-        logger.info("received %s: draining (up to %.0f s)", signal.Signals(sig).name, self.shutdown_timeout)
-        _call_soon(loop, self.app_state.spawn, self._drain())
+        elif state.forcing:  # a third signal: stop waiting for replies to be written
+            self.should_exit = self.force_exit = True
+        elif state.draining:
+            state.forcing = True
+            logger.warning("received %s during the drain: ending in-flight requests now", name)
+            _call_soon(loop, state.spawn, self._force())
+        else:
+            state.draining = True
+            logger.info("received %s: draining (up to %.0f s)", name, self.shutdown_timeout)
+            _call_soon(loop, state.spawn, self._drain())
 
     async def _drain(self) -> None:
         aborted = await self.engine.drain(self.shutdown_timeout)
@@ -266,10 +402,35 @@ class _DrainingServer(uvicorn.Server):
             logger.warning("shutdown timeout: aborted %d in-flight request(s)", aborted)
         self.should_exit = True
 
+    async def _force(self) -> None:
+        state = self.app_state
+        if state.exit_code == EXIT_OK:
+            state.exit_code = EXIT_FORCED
+        loop = asyncio.get_running_loop()
+        # Stopping joins the engine thread after the step in progress, so it runs off the loop;
+        # the engine then fails every request it holds, and the routes turn that into an error
+        # reply (an error event and [DONE] on a stream).
+        try:
+            await loop.run_in_executor(None, self.engine.shutdown)
+        except Exception:  # the exit must not wait on a third signal
+            logger.exception("stopping the engine failed")
+        deadline = loop.time() + _FORCED_FLUSH_S
+        while state.open_requests and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        self.should_exit = True
+        # With every reply written, uvicorn's ordinary shutdown is quick and runs the lifespan's
+        # end; its force exit would skip that and drop replies still being written, so it is kept
+        # for clients that stop reading.
+        if state.open_requests:
+            logger.warning("%d reply(ies) still being written after %.0f s; closing their connections",
+                           state.open_requests, _FORCED_FLUSH_S)
+            self.force_exit = True
+
 
 def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
-    """Serve until drained or dead; returns the process exit code."""
+    """Serve until drained or dead; returns the process exit code (``EXIT_*``)."""
     app = build_app(engine, config)
+    state: ServerState = app.state.server_state
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", lifespan="on",
         loop="auto",  # uvloop when it is installed, asyncio otherwise
@@ -277,5 +438,24 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
         timeout_graceful_shutdown=10, timeout_keep_alive=5,
     )
     server = _DrainingServer(uv_config, app, config.shutdown_timeout)
-    server.run()
-    return app.state.server_state.exit_code
+    if state.keys is not None and not len(state.keys):
+        logger.warning("the API keys file %s holds no key: every request but /health gets 401", config.api_keys_file)
+
+    def on_sighup(sig: int, frame) -> None:
+        if state.loop is not None:  # before start-up the file just read is current
+            _call_soon(state.loop, reload_keys, state, config)
+
+    # Signal handlers can only be installed from the main thread.
+    reloading = config.api_keys_file is not None and threading.current_thread() is threading.main_thread()
+    if reloading:
+        previous = signal.signal(signal.SIGHUP, on_sighup)
+    try:
+        server.run()
+    finally:
+        if reloading:
+            signal.signal(signal.SIGHUP, previous)
+        # A forced exit skips the lifespan's shutdown. An engine thread still inside a torch op
+        # while the interpreter finalizes aborts the process (SIGABRT, "terminate called without
+        # an active exception"), so it is always stopped before returning; stopping is idempotent.
+        engine.shutdown()
+    return state.exit_code
