@@ -110,3 +110,31 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+
+class ContainErrors:
+    """The outermost ASGI layer. Starlette sends the 500 reply for an unexpected exception and
+    then re-raises it for the server to log; uvicorn then drops the client's keep-alive
+    connection, so the client's next request on it fails too. The exception was logged by the
+    500 handler already: here it stops. One that escapes before any reply gets the 500 here."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            if not started:
+                logger.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+                error = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+                await error_response(error)(scope, receive, send)

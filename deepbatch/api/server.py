@@ -33,7 +33,9 @@ from pydantic import BaseModel, ValidationError
 
 import deepbatch
 from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
-from deepbatch.api.errors import APIError, bad_request, error_response, from_validation_error, install_error_handlers
+from deepbatch.api.errors import (
+    APIError, ContainErrors, bad_request, error_response, from_validation_error, install_error_handlers,
+)
 from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse, ModelCard,
@@ -432,7 +434,7 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
     app = build_app(engine, config)
     state: ServerState = app.state.server_state
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="info", lifespan="on",
+        ContainErrors(app), host=config.host, port=config.port, log_level="info", lifespan="on",
         loop="auto",  # uvloop when it is installed, asyncio otherwise
         # Aborted requests answer within a step; this only bounds a stuck client write.
         timeout_graceful_shutdown=10, timeout_keep_alive=5,
