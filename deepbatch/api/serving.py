@@ -1,9 +1,7 @@
-"""The OpenAI completions and chat endpoints on top of ``AsyncEngine``.
-
-Outputs from the engine are cumulative; this module turns them into OpenAI replies, and for
-streaming into per-choice deltas. While a choice with stop strings is running, the last
-``len(longest stop) - 1`` characters are held back: they may turn out to be the start of a stop
-string that the final text drops, and a streamed character cannot be taken back.
+"""The OpenAI completions and chat endpoints on top of ``AsyncEngine``: a validated request
+becomes sampling parameters and engine requests; their outputs are awaited (or streamed) and
+become the reply, whose shape ``responses`` makes. Errors raised while accepting a request, and
+after, become OpenAI error answers here.
 
 Request ids are ``cmpl-<X-Request-Id>`` / ``chatcmpl-<X-Request-Id>`` when the client sends the
 header (a random uuid otherwise). With an API-keys file the auth gate puts the key's tenant and
@@ -14,29 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deepbatch.api.errors import APIError, bad_request, error_body
+from deepbatch.api import responses
+from deepbatch.api.errors import APIError, bad_request
 from deepbatch.api.protocol import (
-    ChatChoice, ChatChoiceLogProbs, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogProbsContent, ChatResponseMessage, ChatStreamChoice, ChatTokenLogProb, CompletionChoice, CompletionChunk,
-    CompletionLogProbs, CompletionRequest, CompletionResponse, DeltaMessage, UsageInfo, SamplingRequest,
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
+    ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
+    SamplingRequest,
 )
+from deepbatch.api.responses import ChoiceState, StreamSpec
 from deepbatch.api.sse import SSEResponse, run_until_disconnect
 from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
-from deepbatch.engine.outputs import CompletionOutput, RequestOutput
+from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,31 +71,12 @@ def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> API
     raise e
 
 
-@dataclass(frozen=True)
-class _StreamSpec:
-    n: int
-    include_usage: bool
-    chat: bool
-    echo: bool = False
-    hold: int = 0  # characters held back while running (longest stop string - 1)
-    top_logprobs: int = 0
-
-
-@dataclass
-class _ChoiceState:
-    """What has been streamed of one choice so far."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    finished: bool = False
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str]):
         self.engine = engine
         self.model_names = served_model_names
         self.vocab_size = engine.engine.hf_config.vocab_size
-        self._token_text: dict[int, str] = {}
+        self.formatter = responses.ResponseFormatter(engine)
         hf_args = _named_arguments(getattr(engine.tokenizer, "apply_chat_template", None))
         self._template_reserved = _TEMPLATE_CALL_ARGS | (hf_args - _TEMPLATE_INPUTS)
 
@@ -138,14 +117,6 @@ class OpenAIServing:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (an argument of the "
                               "template call, not a template variable)", "chat_template_kwargs")
         return kwargs
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            tok = self.engine.tokenizer
-            text = tok.decode([token_id]) if tok is not None else str(token_id)
-            self._token_text[token_id] = text
-        return text
 
     # -- requests -> engine ---------------------------------------------------------------------
 
@@ -202,19 +173,21 @@ class OpenAIServing:
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
         streams = await self._submit(request_id, prompts, params, req, raw)
         if req.stream:
-            spec = _StreamSpec(req.n, _include_usage(req), chat=False, echo=req.echo, hold=_hold(params))
+            spec = StreamSpec(req.n, responses.include_usage(req), chat=False, echo=req.echo,
+                              hold=responses.hold(params))
             return self._sse_response(request_id, streams, spec)
         outs = await self._final_outputs(streams, raw)
         if outs is None:
             return Response(status_code=499)
         choices = []
         for i, out in enumerate(outs):
-            prefix = self._prompt_text(out) if req.echo else ""
+            prefix = self.formatter.prompt_text(out) if req.echo else ""
             for c in out.outputs:
-                lp = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix)) if c.logprobs is not None else None
+                lp = (self.formatter.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                      if c.logprobs is not None else None)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        resp = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(outs))
+        resp = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=responses.usage(outs))
         return JSONResponse(resp.model_dump())
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -237,20 +210,21 @@ class OpenAIServing:
             raise engine_error(e) from None
         streams = await self._submit(request_id, [{"prompt_token_ids": ids}], params, req, raw, alias)
         if req.stream:
-            spec = _StreamSpec(req.n, _include_usage(req), chat=True, hold=_hold(params),
-                               top_logprobs=req.top_logprobs or 0)
+            spec = StreamSpec(req.n, responses.include_usage(req), chat=True, hold=responses.hold(params),
+                              top_logprobs=req.top_logprobs or 0)
             return self._sse_response(request_id, streams, spec)
         outs = await self._final_outputs(streams, raw)
         if outs is None:
             return Response(status_code=499)
         choices = [
             ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                       logprobs=self.formatter.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                        if c.logprobs is not None else None,
                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for c in outs[0].outputs
         ]
-        resp = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=self._usage(outs))
+        resp = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=responses.usage(outs))
         return JSONResponse(resp.model_dump())
 
     # -- engine -> replies ----------------------------------------------------------------------
@@ -260,7 +234,7 @@ class OpenAIServing:
         try:
             outs = await run_until_disconnect(raw, asyncio.gather(*(s.result() for s in streams)))
         except Exception as e:
-            raise _failure(e) from None
+            raise _failure(e, self.engine) from None
         finally:
             self._abort_unfinished(streams)
         if outs is not None:
@@ -269,42 +243,44 @@ class OpenAIServing:
                     raise APIError(500, out.error, code="request_failed")
         return outs
 
-    async def _stream(self, request_id: str, streams: list[RequestStream], spec: _StreamSpec) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, streams: list[RequestStream], spec: StreamSpec) -> AsyncIterator[str]:
         created = int(time.time())
-        states: dict[int, _ChoiceState] = {}
+        states: dict[int, ChoiceState] = {}
         finals: dict[int, RequestOutput] = {}
         chunk_cls = ChatCompletionChunk if spec.chat else CompletionChunk
         try:
             if spec.chat:
                 first = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                          for i in range(spec.n)]
-                yield _sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=first))
-            async for i, out in _merge(streams):
+                yield responses.sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                                        choices=first))
+            async for i, out in responses.merge(streams):
                 if out.error:
-                    yield _sse_error(APIError(500, out.error, code="request_failed"))
+                    yield responses.sse_error(APIError(500, out.error, code="request_failed"))
                     break
                 if out.finished:
                     finals[i] = out
                 choices = []
                 for c in out.outputs:
                     index = i * spec.n + c.index
-                    choice = self._delta(out, c, states.setdefault(index, _ChoiceState()), index, spec)
+                    choice = self.formatter.delta(out, c, states.setdefault(index, ChoiceState()), index, spec)
                     if choice is not None:
                         choices.append(choice)
                 if choices:
-                    yield _sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=choices))
+                    yield responses.sse(chunk_cls(id=request_id, created=created, model=self.model_name,
+                                                  choices=choices))
             else:
                 if spec.include_usage:
-                    usage = self._usage(list(finals.values()))
-                    yield _sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=[],
-                                         usage=usage))
+                    usage = responses.usage(list(finals.values()))
+                    yield responses.sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=[],
+                                                  usage=usage))
         except Exception as e:  # the reply has started: the error goes into the stream, which still ends
-            yield _sse_error(_failure(e))
+            yield responses.sse_error(_failure(e, self.engine))
         finally:
             self._abort_unfinished(streams)
         yield "data: [DONE]\n\n"
 
-    def _sse_response(self, request_id: str, streams: list[RequestStream], spec: _StreamSpec) -> SSEResponse:
+    def _sse_response(self, request_id: str, streams: list[RequestStream], spec: StreamSpec) -> SSEResponse:
         return SSEResponse(self._stream(request_id, streams, spec), on_close=lambda: self._abort_unfinished(streams))
 
     def _abort_unfinished(self, streams: list[RequestStream]) -> None:
@@ -312,80 +288,15 @@ class OpenAIServing:
             if not s.finished:
                 self.engine.abort(s.request_id)
 
-    def _delta(self, out: RequestOutput, c: CompletionOutput, st: _ChoiceState, index: int, spec: _StreamSpec):
-        if st.finished:
-            return None
-        prefix = ""
-        if spec.echo and st.text_len == 0 and st.num_tokens == 0:
-            prefix = self._prompt_text(out)
-        end = len(c.text) if c.finished else max(st.text_len, len(c.text) - spec.hold)
-        text = c.text[st.text_len:end]
-        new_tokens = c.token_ids[st.num_tokens:]
-        new_logprobs = c.logprobs[st.num_tokens:] if c.logprobs is not None else None
-        # A chunk per step that produced tokens, even when no text is ready yet (held back for a
-        # stop string, an incomplete character, a model without a tokenizer): clients time
-        # tokens by chunks, as with vLLM.
-        if not text and not prefix and not c.finished and not new_tokens:
-            return None
-        offset = st.text_len
-        st.text_len = max(st.text_len, end)
-        st.num_tokens = len(c.token_ids)
-        st.finished = c.finished
-        reason = c.finish_reason if c.finished else None
-        if spec.chat:
-            lp = self._chat_logprobs(new_tokens, new_logprobs, spec.top_logprobs) if new_logprobs is not None else None
-            delta = DeltaMessage(content=text) if text or not c.finished else DeltaMessage()
-            return ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason,
-                                    stop_reason=c.stop_reason if c.finished else None)
-        lp = None
-        if new_logprobs is not None:
-            lp = self._completion_logprobs(new_tokens, new_logprobs, offset + len(prefix))
-        return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=reason,
-                                stop_reason=c.stop_reason if c.finished else None)
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
-        tok = self.engine.tokenizer
-        return tok.decode(out.prompt_token_ids) if tok is not None else ""
-
-    @staticmethod
-    def _usage(outs: list[RequestOutput]) -> UsageInfo:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
-        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    def _completion_logprobs(self, token_ids, logprobs, text_offset: int) -> CompletionLogProbs:
-        lp = CompletionLogProbs()
-        for tok, (logprob, top) in zip(token_ids, logprobs):
-            text = self.token_text(tok)
-            lp.tokens.append(text)
-            logprob = _finite(logprob)
-            lp.token_logprobs.append(logprob)
-            alternatives = {self.token_text(t): _finite(v) for t, v in top.items()}
-            alternatives.setdefault(text, logprob)  # the sampled token is always listed (OpenAI legacy)
-            lp.top_logprobs.append(alternatives)
-            lp.text_offset.append(text_offset)
-            text_offset += len(text)
-        return lp
-
-    def _chat_logprobs(self, token_ids, logprobs, top_n: int) -> ChatChoiceLogProbs:
-        content = []
-        for tok, (logprob, top) in zip(token_ids, logprobs):
-            text = self.token_text(tok)
-            alternatives = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append(ChatLogProbsContent(
-                token=text, logprob=_finite(logprob), bytes=list(text.encode()),
-                top_logprobs=[ChatTokenLogProb(token=self.token_text(t), logprob=_finite(v),
-                                               bytes=list(self.token_text(t).encode())) for t, v in alternatives]))
-        return ChatChoiceLogProbs(content=content)
-
-
-def _failure(e: Exception) -> APIError:
+def _failure(e: Exception, engine: AsyncEngine) -> APIError:
     """The answer to a request that failed after it was accepted."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
+        if not engine.is_dead:  # stopped, not failed: a second signal cut the drain short
+            return APIError(503, "the server shut down before this request finished; retry on another replica",
+                            code="server_shutdown")
         return APIError(500, str(e), code="engine_dead")
     if isinstance(e, InvalidRequestError):  # refused by the engine thread's own checks
         return engine_error(e)
@@ -402,56 +313,3 @@ def _named_arguments(fn) -> set[str]:
     except (TypeError, ValueError):
         return set()
     return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
-def _finite(logprob: float) -> float:
-    # Masked tokens (min_tokens, logit_bias) have -inf logprobs, which JSON cannot carry.
-    return logprob if math.isfinite(logprob) else -9999.0
-
-
-def _include_usage(req: SamplingRequest) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
-
-
-def _hold(params: SamplingParams) -> int:
-    return max(len(s) for s in params.stop) - 1 if params.stop else 0
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Updates of several requests as (index, output), in arrival order."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: RequestStream) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out, None))
-        except Exception as e:
-            queue.put_nowait((i, None, e))
-        queue.put_nowait((i, None, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, out, error = await queue.get()
-            if error is not None:
-                raise error
-            if out is None:
-                remaining -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _sse(chunk) -> str:
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
-
-
-def _sse_error(error: APIError) -> str:
-    return f"data: {json.dumps(error_body(error))}\n\n"

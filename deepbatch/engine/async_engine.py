@@ -16,7 +16,8 @@ before anything is queued.
 The waiting queue is bounded (``max_queued_requests`` sequences, ``max_queued_tokens`` prompt
 tokens). A request larger than a bound can never be accepted and is an InvalidRequestError; one
 that does not fit now gets QueueFullError with ``retry_after``: the time the queue's measured
-drain rate needs to make room for it.
+drain rate needs to make room for it. The bounds, the drain rate and the request ids in flight
+are kept in ``admission``; this module owns the counts they are checked against.
 
 A step that raises kills the engine: every in-flight request gets ``EngineDeadError``, new
 requests are refused with it, and the dead callbacks run (the server exits non-zero). A
@@ -28,42 +29,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
+from deepbatch.engine.admission import QueueBounds, QueueFullError, RequestIds
 from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
 from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot, waiting_tokens
 
+__all__ = ["AsyncEngine", "EngineDrainingError", "Observer", "QueueFullError"]
+
 logger = logging.getLogger(__name__)
 
 # Longest that ``drain`` waits for aborted requests to be answered once the timeout has passed; a
 # step in progress must end before the engine thread sees the aborts.
 _ABORT_GRACE_S = 30.0
-
-# Retry-After: the drain rate is measured over this much recent time; before anything has been
-# measured a retry is suggested after the fallback; no suggestion exceeds the cap.
-_DRAIN_WINDOW_S = 10.0
-_RETRY_AFTER_FALLBACK_S = 1.0
-_RETRY_AFTER_MAX_S = 60.0
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_queued_requests`` sequences or ``max_queued_tokens``
-    prompt tokens; retry after ``retry_after`` seconds (>= 1)."""
-
-    def __init__(self, message: str, retry_after: float = _RETRY_AFTER_FALLBACK_S):
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class EngineDrainingError(RuntimeError):
@@ -91,55 +78,11 @@ class _Abort:
 Observer = Callable[[list[RequestOutput]], None]
 
 
-class _DrainRate:
-    """Sequences and prompt tokens leaving the waiting queue per second (admitted, or prefilled
-    in part), over the iterations of the last ``_DRAIN_WINDOW_S`` seconds that found a backlog.
-    Only those count: a request that arrives while seats are free is admitted at once, and that
-    speed says nothing about how fast a full queue makes room. Fed by the engine thread;
-    ``rates`` is replaced whole, so the event loop reads it without a lock."""
-
-    def __init__(self) -> None:
-        self._samples: deque[tuple[float, float, int, int]] = deque()  # (end, seconds, seqs, tokens)
-        self._seconds = 0.0
-        self._seqs = 0
-        self._tokens = 0
-        self.rates: tuple[float, float] | None = None  # (seqs/s, tokens/s); None: nothing measured
-
-    def observe(self, start: float, end: float, backlog: bool, before: tuple[int, int],
-                after: tuple[int, int]) -> None:
-        """One iteration from ``start`` to ``end``: ``backlog`` whether requests were waiting
-        when it began, ``before``/``after`` the waiting (sequences, tokens) around its step."""
-        if not backlog:
-            return
-        sample = (end, end - start, max(0, before[0] - after[0]), max(0, before[1] - after[1]))
-        self._samples.append(sample)
-        self._seconds += sample[1]
-        self._seqs += sample[2]
-        self._tokens += sample[3]
-        while self._samples[0][0] < end - _DRAIN_WINDOW_S:
-            _, seconds, seqs, tokens = self._samples.popleft()
-            self._seconds -= seconds
-            self._seqs -= seqs
-            self._tokens -= tokens
-        if self._seconds > 0:
-            # A window in which nothing left still bounds the rate: under one per window.
-            self.rates = (max(self._seqs, 1) / self._seconds, max(self._tokens, 1) / self._seconds)
-
-    def retry_after(self, excess_seqs: int, excess_tokens: int) -> float:
-        """Seconds until ``excess_seqs`` sequences and ``excess_tokens`` tokens have left."""
-        if self.rates is None:
-            return _RETRY_AFTER_FALLBACK_S
-        seq_rate, token_rate = self.rates
-        wait = max(excess_seqs / seq_rate, excess_tokens / token_rate)
-        return min(max(wait, 1.0), _RETRY_AFTER_MAX_S)
-
-
 class AsyncEngine:
     def __init__(self, engine, *, max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  tokenizer_threads: int = 2, fault_inject_step: int | None = None):
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = max_queued_tokens
+        self._bounds = QueueBounds(max_queued_requests, max_queued_tokens)
         self._fault_inject_step = fault_inject_step
         self._pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="deepbatch-tokenize")
         self._cond = threading.Condition()
@@ -155,11 +98,7 @@ class AsyncEngine:
         self._faulted = False  # a rank failed between steps; the engine thread will find out
         self._dead: EngineDeadError | None = None
         self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet answered
-        # Event-loop side: every id a request not yet answered holds in the engine, its samples'
-        # ids ("<id>-<i>") included, so that a caller-chosen id never collides with one of them.
-        self._ids_in_use: set[str] = set()
-        self._ids_of: dict[str, list[str]] = {}
-        self._drain_rate = _DrainRate()
+        self._ids = RequestIds()  # event-loop side
         self._active: dict[str, RequestStream] = {}  # engine-thread side: requests in the engine
         self._observers: list[Observer] = []
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
@@ -181,6 +120,8 @@ class AsyncEngine:
     model_name = property(lambda self: self.engine.model_name)
     max_model_len = property(lambda self: self.engine.max_model_len)
     tokenizer = property(lambda self: self.engine.tokenizer)
+    max_queued_requests = property(lambda self: self._bounds.max_queued_requests)
+    max_queued_tokens = property(lambda self: self._bounds.max_queued_tokens)
 
     @property
     def is_dead(self) -> bool:
@@ -273,14 +214,14 @@ class AsyncEngine:
         the queue bounds apply to them together, and if one is refused none is queued."""
         self._check_accepting()
         num_seqs = params.n * len(prompts)
-        self._check_fits(num_seqs, 0, params.n)
-        self._reserve_ids([request_id for request_id, _ in prompts], params.n)
+        self._bounds.check_fits(num_seqs, 0, params.n)
+        self._ids.reserve([request_id for request_id, _ in prompts], params.n)
         try:
             arrival = time.monotonic() if arrival_time is None else arrival_time
             made = [await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant,
                                         arrival) for request_id, prompt in prompts]
             num_tokens = sum(len(requests[0].prompt_token_ids) * len(requests) for requests in made)
-            self._check_fits(num_seqs, num_tokens, params.n)
+            self._bounds.check_fits(num_seqs, num_tokens, params.n)
             loop = asyncio.get_running_loop()
             commands = []
             for (request_id, _), requests in zip(prompts, made):
@@ -323,57 +264,18 @@ class AsyncEngine:
                 self._inbox.append(_Abort(request_id))
                 self._cond.notify()
 
-    def _reserve_ids(self, request_ids: list[str], n: int) -> None:
-        # The engine names a parent's samples "<id>-<i>"; those ids are taken too.
-        ids_of = {r: [r] + ([f"{r}-{i}" for i in range(n)] if n > 1 else []) for r in request_ids}
-        taken = next((i for ids in ids_of.values() for i in ids if i in self._ids_in_use), None)
-        if taken is not None:
-            raise InvalidRequestError("request_id", f"request id {taken!r} is already in use",
-                                      code="duplicate_request_id")
-        for ids in ids_of.values():
-            self._ids_in_use.update(ids)
-        self._ids_of.update(ids_of)
-
     def _forget(self, request_id: str) -> None:
         """The request has been answered: its id and its samples' ids are free again."""
         self._streams.pop(request_id, None)
-        self._ids_in_use.difference_update(self._ids_of.pop(request_id, ()))
-
-    def _check_fits(self, num_seqs: int, num_tokens: int, n: int) -> None:
-        """A request larger than a queue bound would get 429 forever, even from an idle server."""
-        limit = self.max_queued_requests
-        if limit is not None and num_seqs > limit:
-            raise InvalidRequestError(
-                "n" if n > limit else "prompt",
-                f"the request needs {num_seqs} sequences (prompts x n); the waiting queue holds at most {limit}",
-                code="exceeds_queue_limit")
-        limit = self.max_queued_tokens
-        if limit is not None and num_tokens > limit:
-            raise InvalidRequestError(
-                "prompt", f"the request needs {num_tokens} prompt tokens (prompt tokens x n); the waiting queue "
-                f"holds at most {limit}", code="exceeds_queue_limit")
+        self._ids.release(request_id)
 
     def _check_accepting(self, num_seqs: int = 0, num_tokens: int = 0) -> None:
         if self._dead is not None:
             raise self._dead
         if self._draining or self._stopping:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
-        excess_seqs = excess_tokens = 0
-        full = []
-        limit = self.max_queued_requests
-        if num_seqs and limit is not None:
-            excess_seqs = self._pending_seqs + self._num_waiting + num_seqs - limit
-            if excess_seqs > 0:
-                full.append(f"{limit} sequences")
-        limit = self.max_queued_tokens
-        if num_tokens and limit is not None:
-            excess_tokens = self._pending_tokens + self._num_waiting_tokens + num_tokens - limit
-            if excess_tokens > 0:
-                full.append(f"{limit} prompt tokens")
-        if full:
-            retry_after = self._drain_rate.retry_after(max(excess_seqs, 0), max(excess_tokens, 0))
-            raise QueueFullError(f"the waiting queue is full ({' and '.join(full)}); retry in "
-                                 f"{math.ceil(retry_after)} s", retry_after)
+        queued = (self._pending_seqs + self._num_waiting, self._pending_tokens + self._num_waiting_tokens)
+        self._bounds.check_room(queued, (num_seqs, num_tokens))
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -409,7 +311,7 @@ class AsyncEngine:
                 self._publish_snapshot(refresh=not has_work)
                 end = time.monotonic()
                 waiting_after = (self._num_waiting, self._num_waiting_tokens)
-                self._drain_rate.observe(start, end, backlog, waiting_before, waiting_after)
+                self._bounds.observe(start, end, backlog, waiting_before, waiting_after)
                 busy_since = end if has_work else None
                 if idle and has_work:
                     # Nothing could be scheduled (waiting on KV blocks that no step will free):

@@ -17,7 +17,8 @@ from starlette.testclient import TestClient
 from apitest_fakes import FakeEngine
 from apitest_server import MODEL, assert_error, get_server
 from deepbatch.api.server import ServerConfig, build_app
-from deepbatch.api.serving import OpenAIServing, _StreamSpec
+from deepbatch.api.responses import StreamSpec as _StreamSpec
+from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
 from deepbatch.engine.errors import InvalidRequestError
 from deepbatch.engine.request_stream import RequestStream
