@@ -51,6 +51,9 @@ EXIT_ENGINE_DEAD = 1  # a model step failed
 # A second signal cut the drain short. Not 2: that is the command line's usage-error status.
 EXIT_FORCED = 3
 
+# Seconds an idle keep-alive connection stays open (see run_server).
+_KEEP_ALIVE_S = 65
+
 # How long a dead server keeps answering 503 before it exits, so health checks can see it.
 _DEAD_EXIT_GRACE_S = 2.0
 # After a second signal, longest the error replies of in-flight requests may take to be written
@@ -437,7 +440,11 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
         ContainErrors(app), host=config.host, port=config.port, log_level="info", lifespan="on",
         loop="auto",  # uvloop when it is installed, asyncio otherwise
         # Aborted requests answer within a step; this only bounds a stuck client write.
-        timeout_graceful_shutdown=10, timeout_keep_alive=5,
+        timeout_graceful_shutdown=10,
+        # An idle keep-alive connection stays open longer than clients and load balancers keep
+        # theirs (httpx 5 s, common balancers 60 s): when the server closes first, a request the
+        # client sends at that moment meets a closed socket and is lost before it is read.
+        timeout_keep_alive=_KEEP_ALIVE_S,
     )
     server = _DrainingServer(uv_config, app, config.shutdown_timeout)
     if state.keys is not None and not len(state.keys):
