@@ -47,6 +47,12 @@ class ModelConfig:
     cache_dir: str | None = None
 
 
+# How the paged KV cache stores K and V (vLLM's names plus int8; deepbatch/kernels/kv_quant.py):
+# auto = the model dtype; fp8 = fp8_e4m3 and fp8_e5m2 with per-layer scales from the checkpoint
+# (else 1.0); int8 with a scale per token and KV head computed as it is written.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -61,8 +67,11 @@ class CacheConfig:
     # Rates of the swap-or-recompute cost model; None: measured at start-up.
     swap_prefill_tokens_per_s: float | None = None
     swap_host_link_bytes_per_s: float | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -3,7 +3,8 @@
 GPUs (name, memory, driver, NUMA node, link topology), the caching allocator's view of each GPU
 from this process, host memory and its cgroup limit, whether ``--swap-space`` fits under them,
 and the KV capacity the engine settings would yield, estimated from the model config without
-loading weights. Plain text, or ``--json``.
+loading weights, for the chosen ``--kv-cache-dtype`` and beside it for each other cache format.
+Plain text, or ``--json``.
 """
 
 from __future__ import annotations
@@ -118,23 +119,37 @@ def gpu_topology() -> str | None:
         return None
 
 
+KV_DTYPES_COMPARED = ("auto", "fp8", "int8")
+
+
 def kv_capacity(config) -> dict:
-    """Tokens of KV the settings would give, from the config alone (weights estimated)."""
+    """Tokens of KV the settings would give, from the config alone (weights estimated), for the
+    configured ``kv_cache_dtype`` and, under ``per_dtype``, for each cache format (an error string
+    where the model cannot use one)."""
     from deepbatch.bench.roofline import model_cost
     from deepbatch.models.loader import load_hf_config, max_model_len_of, resolve_model
 
     source = resolve_model(config.model.model)
     hf = load_hf_config(source, config.model.cache_dir)
     elem = torch.tensor([], dtype=config.model.dtype).element_size()
-    cost = model_cost(hf, elem)
+    chosen = config.cache.kv_cache_dtype
+    cost = model_cost(hf, elem, chosen)
     if config.device.startswith("cuda") and torch.cuda.is_available():
         _, total = torch.cuda.mem_get_info()
         budget = total * config.cache.gpu_memory_utilization - cost.weight_bytes
     else:
         budget = config.cache.cpu_kv_cache_bytes
-    tokens = max(int(budget // cost.kv_bytes_per_token), 0)
-    return {"model": source.name, "kv_bytes_per_token": cost.kv_bytes_per_token, "weight_bytes_estimate": cost.weight_bytes,
-            "kv_budget_bytes": budget, "kv_capacity_tokens": tokens,
+    per_dtype = {}
+    for name in dict.fromkeys((chosen, *KV_DTYPES_COMPARED)):
+        try:
+            per_token = model_cost(hf, elem, name).kv_bytes_per_token
+        except ValueError as e:
+            per_dtype[name] = {"error": str(e)}
+            continue
+        per_dtype[name] = {"kv_bytes_per_token": per_token, "kv_capacity_tokens": max(int(budget // per_token), 0)}
+    return {"model": source.name, "kv_cache_dtype": chosen, "kv_bytes_per_token": cost.kv_bytes_per_token,
+            "weight_bytes_estimate": cost.weight_bytes, "kv_budget_bytes": budget,
+            "kv_capacity_tokens": per_dtype[chosen]["kv_capacity_tokens"], "per_dtype": per_dtype,
             "max_model_len": max_model_len_of(hf, config.model.max_model_len)}
 
 
@@ -180,9 +195,16 @@ def format_report(rep: dict) -> str:
     if "error" in kv:
         lines.append(f"kv         unavailable: {kv['error']}")
     else:
-        lines.append(f"kv         {kv['model']}: {kv['kv_bytes_per_token'] / 1024:.1f} KiB per token, budget "
+        lines.append(f"kv         {kv['model']}, kv_cache_dtype {kv['kv_cache_dtype']}: "
+                     f"{kv['kv_bytes_per_token'] / 1024:.1f} KiB per token, budget "
                      f"{kv['kv_budget_bytes'] / gib:.2f} GiB -> {kv['kv_capacity_tokens']:,} tokens "
                      f"({kv['kv_capacity_tokens'] / max(kv['max_model_len'], 1):.1f} full contexts of {kv['max_model_len']})")
+        for name, d in kv.get("per_dtype", {}).items():
+            if "error" in d:
+                lines.append(f"  {name:<8} unavailable: {d['error']}")
+            else:
+                lines.append(f"  {name:<8} {d['kv_bytes_per_token'] / 1024:.2f} KiB per token -> "
+                             f"{d['kv_capacity_tokens']:,} tokens")
     return "\n".join(lines)
 
 

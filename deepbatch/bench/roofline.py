@@ -3,12 +3,18 @@
 A decode step with batch B at contexts L_i reads the weights once and each sequence's KV:
 ``t_mem = (weight_bytes + sum_i L_i * kv_bytes_per_token) / BW``,
 ``t_compute = B * 2 * active_params / F``; the step takes ``max`` of the two. Prefill runs at
-compute cost. Requests run in lockstep waves of at most ``max_batch``.
+compute cost. Requests run in lockstep waves of at most ``max_batch``. ``kv_bytes_per_token`` is
+the cache's own: an 8-bit ``kv_cache_dtype`` stores one byte per element, plus int8's per-token
+scales.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from deepbatch.kernels.kv_quant import kv_bytes_per_token_head, kv_cache_storage_dtype
 
 H200_BW = 4.3e12  # bytes/s, device-to-device copy measured on the lent H200
 H200_FLOPS = 790e12  # bf16 dense matmul, measured
@@ -21,7 +27,12 @@ class ModelCost:
     kv_bytes_per_token: float
 
 
-def model_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
+_MODEL_DTYPE = {2: torch.bfloat16, 4: torch.float32}
+
+
+def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> ModelCost:
+    """Weights in ``dtype_bytes`` per parameter; the KV cache as ``kv_cache_dtype`` stores it."""
+    kv_dtype = kv_cache_storage_dtype(kv_cache_dtype, _MODEL_DTYPE.get(dtype_bytes, torch.bfloat16))
     h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or h // heads
@@ -30,11 +41,14 @@ def model_cost(cfg, dtype_bytes: int = 2) -> ModelCost:
         q = h * heads * qk if not getattr(cfg, "q_lora_rank", None) else h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk
         kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         attn = q + kv + heads * cfg.v_head_dim * h
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the MLA latent cache is stored in the model dtype only")
         kv_tok = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
     else:
         kvh = getattr(cfg, "num_key_value_heads", None) or heads
         attn = h * head_dim * (heads + 2 * kvh) + heads * head_dim * h
-        kv_tok = layers * 2 * kvh * head_dim * dtype_bytes
+        per_head = head_dim * dtype_bytes if kv_cache_dtype == "auto" else kv_bytes_per_token_head(head_dim, kv_dtype)
+        kv_tok = layers * 2 * kvh * per_head
     n_experts = getattr(cfg, "n_routed_experts", None)
     if n_experts:
         dense_layers = getattr(cfg, "first_k_dense_replace", 0)

@@ -4,6 +4,10 @@ HF peers on the same weights in the same process, printed as one table against t
     deepbatch bench throughput --workload nano-x4 --model-config qwen3-0.6b.json --random-weights \
         --peers hf-static --output-json out.json
 
+KV cache formats: ``--kv-cache-dtype fp8|fp8_e5m2|int8`` stores the cache in 8 bits; the roofline
+then uses the cache's real bytes per token (scales included), so each run is measured against
+its own ceiling.
+
 Memory under pressure: ``--workload kv-2x`` queues requests whose contexts add up to twice the
 KV capacity (cap the pool with ``--num-gpu-blocks-override``); compare ``--swap-space``,
 ``--preemption-mode`` and ``--admission``. The run reports preemptions by mode, KV accounting and
@@ -18,6 +22,7 @@ import json
 import platform
 import subprocess
 import time
+from dataclasses import replace
 
 import torch
 
@@ -42,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
+                   help="KV cache storage (auto: the model dtype)")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preemption by swap")
     p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
               async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
               admission_max_delay_ms=args.admission_max_delay_ms,
               num_gpu_blocks_override=args.num_gpu_blocks_override, admission=args.admission,
-              swap_space=args.swap_space, preemption_mode=args.preemption_mode)
+              swap_space=args.swap_space, preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)
@@ -121,13 +128,17 @@ def run(args: argparse.Namespace) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == w.num_output_tokens, (n_out, w.num_output_tokens)
     dtype_bytes = torch.tensor([], dtype=engine.config.model.dtype).element_size()
+    # The cache's real bytes per token, as allocated (8-bit K/V and any scales beside them).
+    kv_bytes_per_token = engine.runner.kv_bytes_per_block() / engine.config.cache.block_size
+    cost = replace(model_cost(cfg, dtype_bytes), kv_bytes_per_token=kv_bytes_per_token)
     # The roofline is the H200's; it means nothing for a CPU run.
-    ceiling = (workload_ceiling(model_cost(cfg, dtype_bytes), [len(p) for p in w.prompts], w.output_lens)
+    ceiling = (workload_ceiling(cost, [len(p) for p in w.prompts], w.output_lens)
                if device.startswith("cuda") else None)
     ours = {"name": "deepbatch", "seconds": dt, "requests": w.num_requests, "output_tokens": n_out,
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
+            "kv_cache_dtype": args.kv_cache_dtype, "kv_bytes_per_token": kv_bytes_per_token,
             "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1),
             "admission": args.admission, "swap_space_gib": args.swap_space, "mla_prefill": args.mla_prefill,
             "memory": memory}
@@ -226,7 +237,8 @@ def print_table(report: dict) -> None:
     ceiling = ours["ceiling_output_tok_s"]
     roof = (f"roofline ceiling {ceiling:.0f} out tok/s; deepbatch at {100 * ours['fraction_of_ceiling']:.1f}%; "
             if ceiling else "")
-    print(f"{roof}{ours['steps']} steps, {ours['preemptions']} preemptions, KV {ours['kv_capacity_tokens']} tokens, "
+    print(f"{roof}{ours['steps']} steps, {ours['preemptions']} preemptions, KV {ours['kv_capacity_tokens']} tokens "
+          f"({ours.get('kv_cache_dtype', 'auto')}, {ours.get('kv_bytes_per_token', 0) / 1024:.2f} KiB per token), "
           f"prefix hit rate {100 * ours['prefix_hit_rate']:.1f}%")
     if "memory" in ours:
         print(format_memory(ours["memory"]))

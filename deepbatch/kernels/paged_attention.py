@@ -9,6 +9,12 @@ last ``q_len`` positions of the sequence::
     row j attends to keys 0 .. seq_len - q_len + j   (causal inside the chunk, full over context)
 
 A decode is ``q_len == 1``; a chunked prefill or a prefix-cache hit is ``q_len < seq_len``.
+
+An 8-bit cache (``kernels/kv_quant.py``) is dequantized where it is read: the references
+dequantize the blocks they gather for one batch; the kernels convert each K/V tile in registers
+and fold the scales into the scores (per-layer fp8 K scale: the softmax scale; per-token int8
+K scales: the score columns) and into the probabilities (per-token int8 V scales) or the output
+(per-layer fp8 V scale), so no tile is ever rescaled element by element.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl, triton
+from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, quant_mode
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -23,6 +30,24 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     bs = cache.shape[1]
     nb = -(-seq_len // bs)
     return cache[block_table[:nb].long()].flatten(0, 1)[:seq_len]
+
+
+def gather_dequant(cache: torch.Tensor, kv_scale, block_table: torch.Tensor, seq_len: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """:func:`gather_kv` dequantized to ``dtype``; ``kv_scale``: None, a float (fp8) or the int8
+    per-token scales ``[N, bs, Hkv]``."""
+    if torch.is_tensor(kv_scale):
+        kv_scale = gather_kv(kv_scale, block_table, seq_len)
+    return dequantize_ref(gather_kv(cache, block_table, seq_len), kv_scale, dtype)
+
+
+def _scales(k_cache, v_cache, k_scale, v_scale):
+    """The scales the references pass to :func:`dequantize_ref` (checked like the kernels')."""
+    def fail(msg):
+        raise ValueError(f"paged_attention: {msg}")
+
+    mode, k_float, v_float = check_kv_scales(fail, k_cache, v_cache, k_scale, v_scale)
+    return (None, None) if mode == 0 else (k_float, v_float) if mode == 1 else (k_scale, v_scale)
 
 
 def paged_attention_ref(
@@ -34,8 +59,11 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [B] int
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,  # fp8: float; int8: [N, bs, Hkv] float32
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference, one sequence at a time, in float32."""
+    k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -47,8 +75,8 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         q = query[qs:qe].float().transpose(0, 1)  # [Hq, q_len, D]
-        k = gather_kv(k_cache, block_tables[i], seq_len).float().transpose(0, 1)  # [Hkv, L, D]
-        v = gather_kv(v_cache, block_tables[i], seq_len).float().transpose(0, 1)
+        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, torch.float32).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, torch.float32).transpose(0, 1)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
@@ -69,16 +97,20 @@ def paged_attention_torch(
     scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU backend: the reference's semantics through SDPA. Decode rows (``q_len == 1``) of
-    the whole batch go through one padded SDPA call; prefill chunks go one sequence at a time."""
+    the whole batch go through one padded SDPA call; prefill chunks go one sequence at a time.
+    An 8-bit cache is dequantized to the query's dtype as its blocks are gathered."""
+    k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
         return out
     if max_query_len == 1 or (max_query_len is None and query.shape[0] == num_seqs):
-        return _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -87,8 +119,8 @@ def paged_attention_torch(
         if q_len == 0:
             continue
         q = query[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        k = gather_kv(k_cache, block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
-        v = gather_kv(v_cache, block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, query.dtype).transpose(0, 1).unsqueeze(0)
+        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, query.dtype).transpose(0, 1).unsqueeze(0)
         if q_len == seq_len:
             mask, causal = None, q_len > 1
         else:
@@ -99,13 +131,19 @@ def paged_attention_torch(
     return out
 
 
-def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out):
+def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale):
     bs = k_cache.shape[1]
     max_len = int(seq_lens.max())
     nb = -(-max_len // bs)
     tables = block_tables[:, :nb].long()
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+
+    def gather(cache, kv_scale):  # [B, Hkv, L, D] in the query's dtype
+        if torch.is_tensor(kv_scale):
+            kv_scale = kv_scale[tables].flatten(1, 2)[:, :max_len]
+        return dequantize_ref(cache[tables].flatten(1, 2)[:, :max_len], kv_scale, query.dtype).transpose(1, 2)
+
+    k = gather(k_cache, k_scale)
+    v = gather(v_cache, v_scale)
     mask = torch.arange(max_len, device=query.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
     q = query.unsqueeze(2)  # [B, Hq, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
@@ -125,14 +163,17 @@ def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out)
 @_jit
 def _attend_kv_range(
     q, q_pos, m_i, l_i, acc,
-    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, kv_start, kv_end, scale_log2e,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head, kv_start, kv_end, scale_log2e,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """Online-softmax update of ``(m_i, l_i, acc)`` with keys ``kv_start .. kv_end-1``; row ``r``
     sees key ``n`` iff ``n <= q_pos[r]``. ``m_i`` is in log2 units (scores scaled by log2 e).
-    ``MASKED=False`` promises whole tiles that every row sees, and skips all masking."""
+    ``MASKED=False`` promises whole tiles that every row sees, and skips all masking.
+    ``KV_QUANT`` (``kernels/kv_quant.py``): 8-bit tiles are widened to the query's dtype, which
+    holds every int8 and fp8 value exactly; mode 2 scales score columns by the keys' scales and
+    probabilities by the values' (mode 1's per-layer scales the caller folds in)."""
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, TILE_N)
     for start in range(kv_start, kv_end, TILE_N):
@@ -151,7 +192,20 @@ def _attend_kv_range(
             k = tl.load(k_ptrs, mask=k_valid[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2e  # [BLOCK_M, TILE_N]
+        if KV_QUANT != 0:
+            k = k.to(q.dtype)
+        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N]
+        if KV_QUANT == 2:
+            s_ptrs = block * stride_sb + in_block * stride_st + kv_head * stride_sh
+            if MASKED:
+                k_s = tl.load(k_scale_ptr + s_ptrs, mask=k_valid, other=0.0)
+                v_s = tl.load(v_scale_ptr + s_ptrs, mask=k_valid, other=0.0)
+            else:
+                k_s = tl.load(k_scale_ptr + s_ptrs)
+                v_s = tl.load(v_scale_ptr + s_ptrs)
+            s = s * (k_s * scale_log2e)[None, :]
+        else:
+            s = s * scale_log2e
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -167,6 +221,10 @@ def _attend_kv_range(
             v = tl.load(v_ptrs, mask=k_valid[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        if KV_QUANT != 0:
+            v = v.to(q.dtype)
+        if KV_QUANT == 2:
+            p = p * v_s[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -190,12 +248,13 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
 
 @_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_bt"))
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2e, num_seqs, min_q_len, max_q_len,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
+    seq_lens_ptr, scale_log2e, out_scale, num_seqs, min_q_len, max_q_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -228,17 +287,20 @@ def _paged_attention_kernel(
     full_end = (context_len + q_block * BLOCK_Q + 1) // TILE_N * TILE_N
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend_kv_range(
-        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, 0, full_end,
-        scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False,
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+        0, full_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT,
     )
     m_i, l_i, acc = _attend_kv_range(
-        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, full_end, kv_end,
-        scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True,
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+        full_end, kv_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT,
     )
     # l_i == 0 only for a sequence with no keys (seq_len 0): the reference gives zeros there.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_QUANT == 1:  # an fp8 cache's per-layer V scale
+        out = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + q_tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -247,7 +309,9 @@ _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out):
+def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out,
+                  k_scale=None, v_scale=None) -> tuple[int, float, float]:
+    """``(quant mode, K float scale, V float scale)`` of valid inputs (``kv_quant.check_kv_scales``)."""
     def fail(msg):
         raise ValueError(f"paged_attention: {msg}")
 
@@ -266,11 +330,18 @@ def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_le
         fail(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if query.dtype not in _DTYPES:
         fail(f"query dtype {query.dtype} is not one of {_DTYPES}")
-    check_like(fail, "query", query, (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+    quantized = quant_mode(k_cache.dtype) != 0
+    # An 8-bit cache is read with the query's dtype; any other cache must have it.
+    check_like(fail, "query", query, (("out", out),) if quantized else (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)))
+    if quantized:
+        check_like(fail, "k_cache", k_cache, (("v_cache", v_cache),))
+        if k_cache.device != query.device:
+            fail(f"k_cache is on {k_cache.device}, query on {query.device}")
     if out is not None and out.shape != query.shape:
         fail(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     check_paged_metadata(fail, query.device, query.shape[0], k_cache.shape[1], block_tables, query_start_loc, seq_lens,
                          max_query_len, max_seq_len)
+    return check_kv_scales(fail, k_cache, v_cache, k_scale, v_scale)
 
 
 _num_sms_cache: dict[torch.device, int] = {}
@@ -310,6 +381,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
+    k_scale: float | torch.Tensor | None = None,  # fp8: float; int8: [N, bs, Hkv] float32
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_ref` (same semantics; module docstring).
 
@@ -318,10 +391,12 @@ def paged_attention(
     with a split promises every sequence has ``q_len <= 1``. ``num_kv_splits``: ``None`` picks
     by heuristic; ``1`` forces the one-pass kernel; ``> 1`` forces the split-KV decode path (only
     for ``max_query_len <= 1``). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
-    written. head_dim must be a power of two in [16, 256]; any block_size works."""
+    written. head_dim must be a power of two in [16, 256]; any block_size works. An fp8 or int8
+    cache takes its scales in ``k_scale``/``v_scale`` (``kernels/kv_quant.py``)."""
     if triton is None:
         raise RuntimeError("paged_attention: Triton is not installed; use paged_attention_torch")
-    _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out)
+    kv = KVScaleArgs(_check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len,
+                                 max_seq_len, out, k_scale, v_scale), k_scale, v_scale)
     if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
         raise ValueError(f"paged_attention: num_kv_splits={num_kv_splits} must be None or >= 1, and > 1 only "
                          f"with max_query_len <= 1 (got {max_query_len})")
@@ -342,7 +417,7 @@ def paged_attention(
         from deepbatch.kernels.paged_decode_split_kv import paged_decode_split_kv
 
         return paged_decode_split_kv(
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, num_kv_splits, out,
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, num_kv_splits, out, kv,
         )
 
     # Decodes and short chunks take a small tile; longer chunks, if any, a second launch with a
@@ -355,10 +430,10 @@ def paged_attention(
         big_m = max(small_m, min(64, triton.next_power_of_2(max_query_len * queries_per_kv)))
     args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if big_m == small_m:
-        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=_INT32_MAX)
+        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=_INT32_MAX, kv=kv)
     else:
-        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=small_q)
-        _launch(*args, block_m=big_m, min_q_len=small_q + 1, max_q_len=_INT32_MAX)
+        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=small_q, kv=kv)
+        _launch(*args, block_m=big_m, min_q_len=small_q + 1, max_q_len=_INT32_MAX, kv=kv)
     return out
 
 
@@ -366,7 +441,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            block_m, min_q_len, max_q_len, tile_n=None, num_warps=None, num_stages=None):
+            block_m, min_q_len, max_q_len, tile_n=None, num_warps=None, num_stages=None, kv: KVScaleArgs = NO_SCALES):
     """One launch of the kernel over sequences whose q_len lies in ``[min_q_len, max_q_len]``."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -388,13 +463,13 @@ def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sc
         num_stages = 4 if decode_tiles else 2
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs, min_q_len, max_q_len,
+        query, k_cache, v_cache, *kv.pointers(k_cache), out, block_tables, query_start_loc, seq_lens,
+        scale * kv.k_factor * _LOG2E, kv.out_scale, num_seqs, min_q_len, max_q_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_QUANT=kv.mode,
         num_warps=num_warps, num_stages=num_stages,
     )

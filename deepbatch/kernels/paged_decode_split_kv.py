@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs
 from deepbatch.kernels.paged_attention import _LOG2E, _attend_kv_range, _jit, tl, triton
 
 
 @_jit(do_not_specialize=("num_splits", "stride_bt"))
 def _paged_decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32
-    scale_log2e, num_splits,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    scale_log2e, out_scale, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st, stride_sh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,18 +58,21 @@ def _paged_decode_split_kernel(
     # Split ranges are tile-aligned, so only the sequence's last partial tile needs masks.
     full_end = tl.maximum(kv_start, tl.minimum(kv_end, seq_len // TILE_N * TILE_N))
     m_i, l_i, acc = _attend_kv_range(
-        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, kv_start, full_end,
-        scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False,
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+        kv_start, full_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT,
     )
     m_i, l_i, acc = _attend_kv_range(
-        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, full_end, kv_end,
-        scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True,
+        q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+        full_end, kv_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT,
     )
     # An empty split stores o = 0, lse = -inf: weight 0 in the merge, never NaN.
     has_keys = l_i > 0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_QUANT == 1:  # an fp8 cache's per-layer V scale
+        o = acc * (out_scale / tl.where(has_keys, l_i, 1.0))[:, None]
+    else:
+        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part = (seq.to(tl.int64) * num_heads + head) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=row_valid[:, None])
@@ -111,9 +116,11 @@ def paged_decode_split_kv(
     scale: float,
     num_splits: int,
     out: torch.Tensor,  # [T, Hq, D]
+    kv: KVScaleArgs = NO_SCALES,
 ) -> torch.Tensor:
     """Decode attention with each sequence's keys split over ``num_splits`` programs. Inputs are
-    those that :func:`deepbatch.kernels.paged_attention.paged_attention` has already checked."""
+    those that :func:`deepbatch.kernels.paged_attention.paged_attention` has already checked;
+    ``kv`` carries an 8-bit cache's scales as it prepared them."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -122,14 +129,14 @@ def paged_decode_split_kv(
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        query, k_cache, v_cache, *kv.pointers(k_cache), block_tables, query_start_loc, seq_lens, part_out, part_lse,
+        scale * kv.k_factor * _LOG2E, kv.out_scale, num_splits,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_QUANT=kv.mode,
         num_warps=4, num_stages=2,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](

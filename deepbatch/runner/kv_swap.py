@@ -7,8 +7,9 @@ The host pool has the device cache's layout, block for block::
     host:   layer l, tensor t: [num_host_blocks, block_size, *shape]   (pinned on a GPU)
 
 so one host slot holds one block of every layer's every cache tensor (K and V for standard
-attention, the latent vector for MLA), whatever ``cache_shapes()`` the layers declare. On the CPU
-both pools are host memory; the copies run the same code.
+attention, their per-token scales for an int8 cache, the latent vector for MLA), in each tensor's
+own dtype, whatever the layers declare. On the CPU both pools are host memory; the copies run the
+same code.
 """
 
 from __future__ import annotations
@@ -44,17 +45,23 @@ class HostKVCache:
         if swap_out:
             src, dst = _indices(swap_out, device_caches)
             for dev_layer, host_layer in zip(device_caches, self.caches):
-                for d, h in zip(dev_layer, host_layer):
+                for d, h in zip(map(_bytes, dev_layer), map(_bytes, host_layer)):
                     staged = torch.empty((len(swap_out), *h.shape[1:]), dtype=h.dtype, pin_memory=self.pin)
                     staged.copy_(d.index_select(0, src))  # synchronous: waits for the step that wrote it
                     h.index_copy_(0, dst, staged)
         if swap_in:
             src, dst = _indices(swap_in, device_caches, to_device=True)
             for dev_layer, host_layer in zip(device_caches, self.caches):
-                for d, h in zip(dev_layer, host_layer):
+                for d, h in zip(map(_bytes, dev_layer), map(_bytes, host_layer)):
                     staged = torch.empty((len(swap_in), *h.shape[1:]), dtype=h.dtype, pin_memory=self.pin)
                     torch.index_select(h, 0, src, out=staged)
                     d.index_copy_(0, dst, staged.to(d.device, non_blocking=self.pin))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 blocks as their bytes: the CPU has no index_copy_ for float8 types, and a block copy
+    needs none of their arithmetic."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _indices(pairs: list[tuple[int, int]], device_caches: Caches, to_device: bool = False):

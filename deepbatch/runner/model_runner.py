@@ -1,9 +1,11 @@
 """Runs one scheduled step on the model: build the ForwardBatch, forward, logits, sample.
 
 The runner owns the KV cache tensors and binds them to the attention layers. Each layer says
-what it needs through ``cache_shapes()`` (K and V of ``[num_kv_heads, head_dim]`` per token for
-standard attention, one latent vector for MLA); the runner allocates
-``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool.
+what it needs through ``cache_specs(cache_dtype)`` (K and V of ``[num_kv_heads, head_dim]`` per
+token for standard attention, plus their per-token scales for an int8 cache) or, storing only the
+model dtype, ``cache_shapes()`` (one latent vector for MLA); the runner allocates
+``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool. The
+cache's dtype (``CacheConfig.kv_cache_dtype``) is the runner's choice, not the model's.
 It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
 into the config. With a swap space it also owns the host KV pool (``runner/kv_swap.py``) and
 performs the step's swap copies before the forward.
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from deepbatch.config import EngineConfig
+from deepbatch.kernels.kv_quant import kv_cache_storage_dtype, quant_mode
 from deepbatch.layers.attention import make_backend
 from deepbatch.layers.mla import MultiHeadLatentAttention
 from deepbatch.runner.cuda_graph import CudaGraphs
@@ -41,6 +44,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.attn_layers = model.attention_layers()
+        self.kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        self._cache_specs = [self._layer_cache_specs(a) for a in self.attn_layers]
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -61,15 +66,46 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------
 
+    def _layer_cache_specs(self, layer) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        if hasattr(layer, "cache_specs"):
+            return layer.cache_specs(self.kv_cache_dtype)
+        if self.kv_cache_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {type(layer).__name__} keeps its "
+                             f"cache in the model dtype only (8-bit MLA latent caches are not supported yet); "
+                             f"use kv_cache_dtype='auto'")
+        return [(shape, self.dtype) for shape in layer.cache_shapes()]
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(self.block_size * math.prod(shape) * elem for a in self.attn_layers for shape in a.cache_shapes())
+        """Bytes of one block over every layer: K/V in the cache dtype plus any scales beside them."""
+        return sum(self.block_size * math.prod(shape) * dtype.itemsize
+                   for specs in self._cache_specs for shape, dtype in specs)
 
     def _alloc_caches(self, num_blocks: int) -> list[list[torch.Tensor]]:
         return [
-            [torch.zeros((num_blocks, self.block_size, *shape), dtype=self.dtype, device=self.device) for shape in a.cache_shapes()]
-            for a in self.attn_layers
+            [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device) for shape, dtype in specs]
+            for specs in self._cache_specs
         ]
+
+    def describe_kv_cache(self) -> str:
+        """The cache format for the start-up log: dtype, scales, bytes per token."""
+        name = self.config.cache.kv_cache_dtype
+        per_token = self.kv_bytes_per_block() / self.block_size
+        mode = quant_mode(self.kv_cache_dtype)
+        scales = ("" if mode == 0 else ", per-layer K/V scales" if mode == 1
+                  else ", float32 scale per token and KV head")
+        return f"kv_cache_dtype {name} ({str(self.kv_cache_dtype).removeprefix('torch.')}{scales}), " \
+               f"{per_token / 1024:.2f} KiB per token"
+
+    def _check_kv_scales(self) -> None:
+        """An fp8 cache without the checkpoint's scales stores x / 1.0: values past the format's
+        range (448 for e4m3) saturate, so say so once."""
+        if quant_mode(self.kv_cache_dtype) != 1:
+            return
+        missing = sum(not getattr(a, "kv_scales_loaded", True) for a in self.attn_layers)
+        if missing:
+            logger.warning("kv_cache_dtype %s: the checkpoint has no k_scale/v_scale for %d of %d attention layers; "
+                           "those use 1.0 (K/V beyond +-%g saturate)", self.config.cache.kv_cache_dtype, missing,
+                           len(self.attn_layers), torch.finfo(self.kv_cache_dtype).max)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: the override if set; on a GPU, what ``gpu_memory_utilization``
@@ -127,8 +163,10 @@ class ModelRunner:
         self._bind([])
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        self._check_kv_scales()
         self.kv_caches = self._alloc_caches(num_blocks)
         self._bind(self.kv_caches)
+        logger.info("KV cache format: %s", self.describe_kv_cache())
 
     def init_swap_space(self, num_blocks: int) -> None:
         """The host pool for preemption by swap, laid out like the device cache."""
@@ -210,7 +248,7 @@ class ModelRunner:
 
     def _bind(self, caches) -> None:
         for i, a in enumerate(self.attn_layers):
-            a.bind(caches[i] if caches else [None] * len(a.cache_shapes()), self.backend)
+            a.bind(caches[i] if caches else [None] * len(self._cache_specs[i]), self.backend)
 
     # -- the step ---------------------------------------------------------------------------
 

@@ -1,0 +1,158 @@
+"""8-bit KV cache formats: what each ``kv_cache_dtype`` stores, the quantizers the cache write uses
+and the dequantization the attention kernels' torch references apply to gathered blocks.
+
+    kv_cache_dtype     K/V storage        scales
+    auto               the model dtype    none
+    fp8, fp8_e4m3      float8_e4m3fn      one K and one V scale per layer (host floats: the
+    fp8_e5m2           float8_e5m2        checkpoint's k_scale/v_scale, else 1.0); x_q = x / scale
+    int8               int8               one per token and KV head, float32, kept beside the
+                                          blocks as [num_blocks, block_size, Hkv]; symmetric:
+                                          scale = absmax / 127, x_q = round(x / scale)
+
+Per-token int8 scales need no calibration and keep an outlier token's range from flattening every
+other token's. The ``quant mode`` the kernels specialise on is 0 (no scales), 1 (per-layer
+floats) or 2 (per-token tensors). The Triton helpers here and the torch functions do the same
+fp32 operations in the same order, so the interpreter reproduces the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deepbatch.kernels.common import jit as _jit, tl
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPE = torch.float32  # int8 per-token scales
+_STORAGE = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+KV_CACHE_DTYPES = ("auto", *_STORAGE)
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the K/V blocks for a ``kv_cache_dtype`` name."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return _STORAGE[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}") from None
+
+
+def quant_mode(cache_dtype: torch.dtype) -> int:
+    return 2 if cache_dtype == torch.int8 else 1 if cache_dtype in FP8_DTYPES else 0
+
+
+def kv_bytes_per_token_head(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one token's K (or V) of one KV head takes in the cache, its scale included."""
+    return head_dim * cache_dtype.itemsize + (SCALE_DTYPE.itemsize if quant_mode(cache_dtype) == 2 else 0)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def check_kv_scales(fail: Callable[[str], None], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_scale, v_scale) -> tuple[int, float, float]:
+    """``(quant mode, K float scale, V float scale)`` after checking that the scales fit the cache
+    dtype: none for a 16/32-bit cache; floats > 0 (None means 1.0) for fp8; for int8 two float32
+    tensors ``[num_blocks, block_size, Hkv]`` with one set of strides, on the cache's device."""
+    mode = quant_mode(k_cache.dtype)
+    if v_cache.dtype != k_cache.dtype:
+        fail(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
+    if mode == 0:
+        if k_scale is not None or v_scale is not None:
+            fail(f"k_scale/v_scale are for 8-bit caches, not {k_cache.dtype}")
+        return 0, 1.0, 1.0
+    if mode == 1:
+        scales = [1.0 if s is None else s for s in (k_scale, v_scale)]
+        for name, s in zip(("k_scale", "v_scale"), scales):
+            if torch.is_tensor(s) or not float(s) > 0 or float(s) == float("inf"):
+                fail(f"{name} of an fp8 cache must be a finite float > 0, got {s!r}")
+        return 1, float(scales[0]), float(scales[1])
+    want = tuple(k_cache.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not torch.is_tensor(s) or s.dtype != SCALE_DTYPE or tuple(s.shape) != want:
+            got = f"{s.dtype} {tuple(s.shape)}" if torch.is_tensor(s) else repr(s)
+            fail(f"{name} of an int8 cache must be a {SCALE_DTYPE} tensor of shape {want}, got {got}")
+        if s.device != k_cache.device:
+            fail(f"{name} is on {s.device}, the cache on {k_cache.device}")
+    if k_scale.stride() != v_scale.stride():
+        fail(f"k_scale and v_scale need one set of strides, got {k_scale.stride()} and {v_scale.stride()}")
+    return 2, 1.0, 1.0
+
+
+class KVScaleArgs:
+    """What the attention kernels take for a cache's scales, from :func:`check_kv_scales`'s
+    answer: the quant mode, the factor an fp8 K scale puts on the softmax scale, the output
+    scale (an fp8 V scale), and the int8 scale tensors and their strides (in the other modes the
+    K cache stands in as a pointer that is never read)."""
+
+    def __init__(self, checked: tuple[int, float, float], k_scale, v_scale):
+        self.mode, self.k_factor, self.out_scale = checked
+        if self.mode == 2:
+            self.k_ptr, self.v_ptr, self.strides = k_scale, v_scale, k_scale.stride()
+        else:
+            self.k_ptr = self.v_ptr = None
+            self.strides = (0, 0, 0)
+
+    def pointers(self, k_cache):
+        return (self.k_ptr, self.v_ptr) if self.mode == 2 else (k_cache, k_cache)
+
+
+NO_SCALES = KVScaleArgs((0, 1.0, 1.0), None, None)
+
+
+# -- torch ------------------------------------------------------------------------------------
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` saturated to the format's range (torch would give NaN past it) and rounded
+    to nearest even."""
+    limit = fp8_max(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
+
+
+def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` for ``x [..., D]``: ``q`` int8 in [-127, 127], ``scale [...]`` float32 with
+    ``x ~ q * scale``; ties round away from zero. An all-zero vector gets scale 0 and zeros."""
+    x = x.float()
+    absmax = x.abs().amax(-1)
+    # A tensor numerator: ``127.0 / t`` is computed as ``127.0 * (1 / t)``, off by an ulp.
+    nonzero = absmax > 0
+    inv = torch.where(nonzero, torch.full_like(absmax, 127.0) / torch.where(nonzero, absmax, 1.0), 0.0)
+    y = x * inv.unsqueeze(-1)
+    y = y + torch.where(y >= 0, 0.5, -0.5)
+    return y.clamp(-127.0, 127.0).trunc().to(torch.int8), absmax / 127.0
+
+
+def dequantize_ref(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
+    """Cache elements ``x [..., D]`` back to ``dtype``: ``scale`` is None (a 16/32-bit cache),
+    a float (fp8) or a tensor ``[...]`` (int8, one per token and head)."""
+    if scale is None:
+        return x.to(dtype)
+    if torch.is_tensor(scale):
+        return (x.float() * scale.unsqueeze(-1)).to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+# -- Triton -----------------------------------------------------------------------------------
+
+
+@_jit
+def quantize_int8(x):
+    """``(q int8 [R, C], scale fp32 [R])`` of ``x`` fp32 ``[R, C]`` (masked columns 0): the ops of
+    :func:`quantize_int8_ref` in its order."""
+    absmax = tl.max(tl.abs(x), 1)
+    # Correctly rounded, as torch divides (a GPU's default fp32 division is approximate).
+    nonzero = absmax > 0
+    inv = tl.where(nonzero, tl.math.div_rn(tl.full(absmax.shape, 127.0, tl.float32), tl.where(nonzero, absmax, 1.0)), 0.0)
+    y = x * inv[:, None]
+    y = y + tl.where(y >= 0, 0.5, -0.5)
+    q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)  # the cast truncates toward zero
+    return q, absmax / 127.0
