@@ -128,6 +128,10 @@ class TensorParallelExecutor:
         """Bytes of one block on one rank (each rank holds its own heads' share)."""
         return self.runner.kv_bytes_per_block()
 
+    def describe_kv_cache(self) -> str:
+        """The cache format; its bytes per token are one rank's (each holds its heads' share)."""
+        return self.runner.describe_kv_cache()
+
     def profile_num_blocks(self) -> int:
         """The smallest count any rank can hold: block ids mean the same slots on every rank."""
         return self._guard(lambda: self.group.all_reduce_min(self.runner.profile_num_blocks()))

@@ -101,9 +101,9 @@ class LLMEngine:
         self._inflight: tuple[SchedulerOutput, PendingSample, float] | None = None
         self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f KiB per block)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %s (%.1f KiB per block)",
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
-            self.runner.kv_bytes_per_block() / 1024,
+            self.runner.describe_kv_cache(), self.runner.kv_bytes_per_block() / 1024,
         )
 
     def _swap_cost_model(self) -> tuple[int, SwapCostModel] | None:

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import torch
 from torch import nn
 
@@ -18,6 +21,24 @@ from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryAt, RotaryEmbedding
 from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
+
+# An fp8 KV cache's per-layer scales, as vLLM and llm-compressor name them.
+_KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.[kv]_scale$")
+
+
+def check_kv_scale(name: str, tensor: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``tensor`` if it is a usable KV cache scale: one float (any shape with one element) or one
+    per KV head, every entry finite and > 0; else a load error naming the tensor. A scale the
+    cache would silently misuse (a negative one flips every K, NaN poisons every score) must stop
+    the load instead."""
+    per_head = tensor.dim() == 1 and tensor.numel() == num_kv_heads
+    if not tensor.is_floating_point() or not (tensor.numel() == 1 or per_head):
+        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be a float scalar (or one per KV head, "
+                         f"{num_kv_heads}), got {tensor.dtype} of shape {tuple(tensor.shape)}")
+    values = tensor.detach().float().flatten().tolist()
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale must be finite and > 0, got {values}")
+    return tensor
 
 
 class LlamaAttention(nn.Module):
@@ -106,17 +127,30 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> set[str]:
         """Copy ``(name, tensor)`` pairs in HF naming into the parameters; returns the names of
-        parameters that were loaded."""
+        parameters that were loaded. A layer's ``self_attn.k_scale``/``v_scale`` (not parameters)
+        go to its attention's ``load_kv_scale``."""
         params = dict(self.named_parameters())
         loaded = set()
+        num_kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            scale = _KV_SCALE.match(name)
+            if scale:
+                try:
+                    attn = self.get_submodule(scale.group(1)).attn
+                except AttributeError:
+                    raise ValueError(f"checkpoint tensor {name!r} has no attention layer in {type(self).__name__}") from None
+                # Checked and kept whatever the cache dtype: only an fp8 cache reads them.
+                attn.load_kv_scale(name, check_kv_scale(name, tensor, num_kv_heads))
+                continue
             for src, dst, shard in self.stacked_params:
                 if f".{src}." in name:
                     target = name.replace(f".{src}.", f".{dst}.")
+                    if target not in params:  # e.g. an fp8 checkpoint's k_proj.weight_scale
+                        raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                     module = self.get_submodule(target.rsplit(".", 1)[0])
                     module.weight_loader(params[target], tensor, shard)
                     loaded.add(target)
