@@ -432,10 +432,6 @@ class _DrainingServer(uvicorn.Server):
             self.force_exit = True
 
 
-def _ignore_while_exiting(sig: int, frame) -> None:
-    logger.info("received %s while exiting; already shutting down", signal.Signals(sig).name)
-
-
 def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
     """Serve until drained or dead; returns the process exit code (``EXIT_*``)."""
     app = build_app(engine, config)
@@ -462,16 +458,17 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
     reloading = config.api_keys_file is not None and threading.current_thread() is threading.main_thread()
     if reloading:
         previous = signal.signal(signal.SIGHUP, on_sighup)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn puts back the handlers it found when it stops serving, while the process is
+        # still closing down (the event loop's executor, the engine): were those the defaults, a
+        # signal in that window would turn a clean exit into death by signal.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, server.handle_exit)
     try:
         server.run()
     finally:
         if reloading:
             signal.signal(signal.SIGHUP, previous)
-        if threading.current_thread() is threading.main_thread():
-            # uvicorn has put the default handlers back: a signal that arrives now, while the
-            # process is already on its way out, would turn a clean exit into death by signal.
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, _ignore_while_exiting)
         # A forced exit skips the lifespan's shutdown. An engine thread still inside a torch op
         # while the interpreter finalizes aborts the process (SIGABRT, "terminate called without
         # an active exception"), so it is always stopped before returning; stopping is idempotent.
