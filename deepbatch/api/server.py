@@ -433,7 +433,8 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
-    """Serve until drained or dead; returns the process exit code (``EXIT_*``)."""
+    """Serve until drained or dead; returns the process exit code (``EXIT_*``). The caller is
+    expected to exit with it: from then on SIGTERM and SIGINT are ignored."""
     app = build_app(engine, config)
     state: ServerState = app.state.server_state
     uv_config = uvicorn.Config(
@@ -473,4 +474,10 @@ def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
         # while the interpreter finalizes aborts the process (SIGABRT, "terminate called without
         # an active exception"), so it is always stopped before returning; stopping is idempotent.
         engine.shutdown()
+        if threading.current_thread() is threading.main_thread():
+            # The process is on its way out. Interpreter finalization puts Python-level handlers
+            # back to the default action (which a signal in that window turns into death by
+            # signal) but leaves an ignored signal ignored.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
     return state.exit_code
