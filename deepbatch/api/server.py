@@ -23,13 +23,12 @@ import signal
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 import deepbatch
 from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
@@ -38,8 +37,11 @@ from deepbatch.api.errors import (
 )
 from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse, ModelCard,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
     ModelList,
+)
+from deepbatch.api.openapi import (
+    HealthStatus, add_request_schemas, error_responses, generation_reply, request_body,
 )
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
@@ -186,36 +188,6 @@ def reload_keys(state: ServerState, config: ServerConfig) -> None:
     logger.info("reloaded %d API key(s) from %s", len(keys), config.api_keys_file)
 
 
-class HealthStatus(BaseModel):
-    """``ok`` (200): serving. ``draining`` (503): shutting down, finishing in-flight requests.
-    ``dead`` (503): a model step failed; ``error`` says why and the process is about to exit."""
-
-    status: Literal["ok", "draining", "dead"]
-    error: str | None = None
-
-
-_ERROR_MEANINGS = {
-    400: "Invalid request: a field, the JSON body, or a prompt that does not fit the context",
-    401: "Missing or unknown API key (send Authorization: Bearer <key>)",
-    403: "The API key may not ask for this priority (its priority_ceiling)",
-    404: "Unknown model, or the feature is off",
-    413: "The request body is over the size limit",
-    429: "Too many requests: the waiting queue is full, or the API key's max_concurrent is reached; see Retry-After",
-    500: "The engine failed while running the request",
-    503: "The server is draining for shutdown, or its engine is dead; retry on another replica",
-}
-
-
-def _errors(*statuses: int) -> dict:
-    return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s]} for s in statuses if s}
-
-
-def _generation_reply(model) -> dict:
-    return {200: {"model": model, "description": "The reply; with stream=true, server-sent events of chunks, "
-                                                 "then 'data: [DONE]'",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-
-
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -238,11 +210,6 @@ async def read_json_object(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
     return body
-
-
-def _openapi_body(model) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -282,8 +249,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     # Each route lists the errors it can answer, so clients and fuzzers can hold replies to them.
     auth = 401 if state.keys is not None else 0
     per_key = config.api_keys_file is not None  # priority ceilings and in-flight limits
-    gated = _errors(auth, 429 if per_key else 0)
-    generate = _errors(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
+    gated = error_responses(auth, 429 if per_key else 0)
+    generate = error_responses(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
 
     async def parse(request: Request, model):
         body = await read_json_object(request, config.max_request_body_bytes)
@@ -292,17 +259,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest),
-              responses={**_generation_reply(CompletionResponse), **generate})
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={**generation_reply(CompletionResponse), **generate})
     async def completions(request: Request) -> Response:
         return await serving.completions(await parse(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest),
-              responses={**_generation_reply(ChatCompletionResponse), **generate})
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={**generation_reply(ChatCompletionResponse), **generate})
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await parse(request, ChatCompletionRequest), request)
 
-    @app.get("/v1/models", response_model=ModelList, responses={**gated, **_errors(503)})
+    @app.get("/v1/models", response_model=ModelList, responses={**gated, **error_responses(503)})
     async def models() -> ModelList:
         root = getattr(getattr(engine.engine, "source", None), "path", None)
         return ModelList(data=[ModelCard(id=n, root=root, max_model_len=engine.max_model_len) for n in names])
@@ -324,7 +291,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/controller", responses={**gated, **_errors(404, 503)})
+    @app.get("/v1/controller", responses={**gated, **error_responses(404, 503)})
     async def controller() -> dict:
         """The SLO controller's settings, targets, step-time model, observed p99s and frontier."""
         report = engine.snapshot().controller
@@ -341,27 +308,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": deepbatch.__version__}
 
-    _add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
-
-
-def _add_request_schemas(app: FastAPI, models: list) -> None:
-    """Bodies are parsed by hand (to answer 400, never 422), so FastAPI does not see their models;
-    put them into the OpenAPI document for clients and fuzzers."""
-    base = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = base()
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in models:
-                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(s.pop("$defs", {}))
-                components[model.__name__] = s
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
 
 
 def _call_soon(loop, fn, *args) -> None:
