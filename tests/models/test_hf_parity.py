@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepbatch import LLM, SamplingParams
+from hf_reference import hf_greedy_ids
 
 MAX_TOKENS = 12
 
@@ -34,14 +35,7 @@ def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS)
     model = _HF_CACHE.get(path)
     if model is None:
         model = _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    for p in prompts:  # one at a time: no padding in the reference
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_ids(model, prompts, max_tokens)
 
 
 def ours(path: str, prompts, **kwargs) -> tuple[list[list[int]], LLM]:

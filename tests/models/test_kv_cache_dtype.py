@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deepbatch import LLM, SamplingParams
+from hf_reference import hf_greedy_ids
 
 MAX_TOKENS = 16
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -55,14 +56,7 @@ def hf_greedy(path: str, prompts, kv_cache_dtype: str, max_tokens: int = MAX_TOK
         impl = "sdpa" if kv_cache_dtype == "auto" else _register(kv_cache_dtype)
         _HF[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl).eval()
     model = _HF[key]
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_ids(model, prompts, max_tokens)
 
 
 def ours(path: str, prompts, kv_cache_dtype: str, max_tokens: int = MAX_TOKENS, **kwargs):

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepbatch import LLM, SamplingParams
+from hf_reference import hf_greedy_ids
 
 GAIN = 200.0
 FP8 = torch.float8_e4m3fn
@@ -88,14 +89,7 @@ def hf_greedy(path: str, prompts, scales: dict[int, tuple[float, float]] | None)
             AttentionInterface.register(impl, attention)
         _HF[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl).eval()
     model = _HF[key]
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return hf_greedy_ids(model, prompts, MAX_TOKENS)
 
 
 def ours(path: str, prompts, kv_cache_dtype: str = "fp8"):
