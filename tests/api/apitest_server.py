@@ -7,6 +7,8 @@ test module waits only for its own.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import shutil
@@ -214,3 +216,28 @@ def assert_error(resp, status: int, param: str | None = "any", code: str | None 
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+class BackgroundStream:
+    """One streaming completion read in the background; ``first`` is set at its first token."""
+
+    def __init__(self, client, payload):
+        self.first = asyncio.Event()
+        self.status = None
+        self.events: list = []
+        self.task = asyncio.ensure_future(self._run(client, payload))
+
+    async def _run(self, client, payload):
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            self.status = resp.status_code
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                self.events.append(data if data == "[DONE]" else json.loads(data))
+                if data != "[DONE]" and self.events[-1].get("choices"):
+                    self.first.set()
+
+    def text_and_reason(self):
+        chunks = [e for e in self.events if isinstance(e, dict) and e.get("choices")]
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]

@@ -6,10 +6,9 @@ turns /health to 503 ("dead", with the error) and exits non-zero."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
-from apitest_server import MODEL, assert_error, get_server
+from apitest_server import BackgroundStream, MODEL, assert_error, get_server
 
 SERVERS = {
     # Two seats and a two-deep waiting queue, so the queue fills with four requests.
@@ -24,31 +23,6 @@ def body(max_tokens: int, stream: bool, prompt: str = "Once upon a time") -> dic
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True}
 
 
-class Stream:
-    """One streaming completion read in the background; ``first`` is set at its first token."""
-
-    def __init__(self, client, payload):
-        self.first = asyncio.Event()
-        self.status = None
-        self.events: list = []
-        self.task = asyncio.ensure_future(self._run(client, payload))
-
-    async def _run(self, client, payload):
-        async with client.stream("POST", "/v1/completions", json=payload) as resp:
-            self.status = resp.status_code
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                self.events.append(data if data == "[DONE]" else json.loads(data))
-                if data != "[DONE]" and self.events[-1].get("choices"):
-                    self.first.set()
-
-    def text_and_reason(self):
-        chunks = [e for e in self.events if isinstance(e, dict) and e.get("choices")]
-        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
-
-
 async def wait_for(predicate, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -61,9 +35,9 @@ def test_queue_full_is_429():
 
     async def run():
         async with server.async_http(timeout=120) as client:
-            running = [Stream(client, body(300, True)) for _ in range(2)]
+            running = [BackgroundStream(client, body(300, True)) for _ in range(2)]
             await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in running)), 60)
-            waiting = [Stream(client, body(8, True)) for _ in range(2)]
+            waiting = [BackgroundStream(client, body(8, True)) for _ in range(2)]
             await wait_for(lambda: all(s.status == 200 for s in waiting), 30)
             resp = await client.post("/v1/completions", json=body(4, False))
             assert_error(resp, 429, None, "queue_full")
@@ -84,7 +58,7 @@ def test_sigterm_lets_in_flight_requests_finish():
 
     async def run():
         async with server.async_http(timeout=120) as client:
-            streams = [Stream(client, body(24, True, f"Story {i}:")) for i in range(2)]
+            streams = [BackgroundStream(client, body(24, True, f"Story {i}:")) for i in range(2)]
             await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 60)
             server.terminate()
             deadline = time.monotonic() + 10
@@ -112,7 +86,7 @@ def test_sigterm_with_zero_timeout_aborts_in_flight_requests():
 
     async def run():
         async with server.async_http(timeout=120) as client:
-            streams = [Stream(client, body(400, True, f"Story {i}:")) for i in range(2)]
+            streams = [BackgroundStream(client, body(400, True, f"Story {i}:")) for i in range(2)]
             plain = asyncio.ensure_future(client.post("/v1/completions", json=body(400, False)))
             await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 60)
             await asyncio.sleep(0.3)  # the non-streaming request is in the engine too by now
@@ -135,7 +109,7 @@ def test_engine_fault_fails_requests_and_exits_nonzero():
 
     async def run():
         async with server.async_http(timeout=60) as client:
-            stream = Stream(client, body(200, True))
+            stream = BackgroundStream(client, body(200, True))
             plain = await client.post("/v1/completions", json=body(200, False, "Another story"))
             err = assert_error(plain, 500, None, "engine_dead")
             assert "injected fault" in err["message"]

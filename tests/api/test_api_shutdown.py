@@ -6,11 +6,10 @@ the way, /health says what it means."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
-from apitest_server import MODEL, get_server
+from apitest_server import BackgroundStream, MODEL, get_server
 from deepbatch.api.server import EXIT_FORCED
 
 # A long timeout: the first signal alone would let the streams run on for minutes.
@@ -24,27 +23,8 @@ def body(i: int) -> dict:
     return {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 450, "stream": True, "ignore_eos": True}
 
 
-class Stream:
-    """One streaming completion read in the background; ``first`` is set at its first event."""
-
-    def __init__(self, client, payload):
-        self.first = asyncio.Event()
-        self.status = None
-        self.events: list = []
-        self.task = asyncio.ensure_future(self._run(client, payload))
-
-    async def _run(self, client, payload):
-        async with client.stream("POST", "/v1/completions", json=payload) as resp:
-            self.status = resp.status_code
-            async for line in resp.aiter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    self.events.append(data if data == "[DONE]" else json.loads(data))
-                    self.first.set()
-
-
-async def start_streams(client, n: int) -> list[Stream]:
-    streams = [Stream(client, body(i)) for i in range(n)]
+async def start_streams(client, n: int) -> list[BackgroundStream]:
+    streams = [BackgroundStream(client, body(i)) for i in range(n)]
     await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 60)
     return streams
 
