@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
                    help="KV cache storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with the checkpoint's "
                         "per-layer k_scale/v_scale (else 1.0); int8 with a scale per token and KV head")
+    p.add_argument("--quantization", choices=["fp8", "awq", "gptq", "compressed-tensors"], default=None,
+                   help="weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; "
+                        "a quantized checkpoint's format is read from its config.json (naming it here only checks it)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
     p.add_argument("--swap-space", type=float, default=0.0,
                    help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
@@ -94,7 +97,7 @@ def engine_config_from_args(args: argparse.Namespace):
     device = args.device or default_device()
     return EngineConfig(
         model=ModelConfig(model, resolve_dtype(args.dtype, device), args.max_model_len, args.seed, False,
-                          args.tokenizer, envs.DEEPBATCH_CACHE_DIR),
+                          args.tokenizer, envs.DEEPBATCH_CACHE_DIR, quantization=args.quantization),
         cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
                           args.num_gpu_blocks_override, swap_space=args.swap_space,
                           swap_prefill_tokens_per_s=args.swap_prefill_tokens_per_s,

@@ -45,6 +45,9 @@ class ModelConfig:
     tokenizer: str | None = None
     # Where the config and tokenizer converted from a GGUF file are cached (None: no cache).
     cache_dir: str | None = None
+    # A weight format applied while loading a 16-bit checkpoint ("fp8"), or the checkpoint's own
+    # quant_method named explicitly; None: whatever config.json's quantization_config says.
+    quantization: str | None = None
 
 
 # How the paged KV cache stores K and V (vLLM's names plus int8; deepbatch/kernels/kv_quant.py):

@@ -34,6 +34,7 @@ class LLM:
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
         seed: int = 0,
         device: str | None = None,
         attention_backend: str = "auto",
@@ -62,7 +63,7 @@ class LLM:
             admission_batch_size = 64 if device.startswith("cuda") and not enforce_eager else 1
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
-                              envs.DEEPBATCH_CACHE_DIR),
+                              envs.DEEPBATCH_CACHE_DIR, quantization=quantization),
             cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override,
                               swap_space=swap_space, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
                    help="KV cache storage (auto: the model dtype)")
+    p.add_argument("--quantization", choices=["fp8", "awq", "gptq", "compressed-tensors"], default=None,
+                   help="weight format (fp8: quantize the 16-bit weights per channel; a --model-config with a "
+                        "quantization_config builds its random weights in that format)")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preemption by swap")
     p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
     p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> dict:
               async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
               admission_max_delay_ms=args.admission_max_delay_ms,
               num_gpu_blocks_override=args.num_gpu_blocks_override, admission=args.admission,
-              swap_space=args.swap_space, preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype)
+              swap_space=args.swap_space, preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)

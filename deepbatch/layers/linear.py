@@ -13,6 +13,11 @@ Megatron-style sharding over N ranks, rank r::
 A column-parallel layer feeding a row-parallel one (q|k|v -> o, gate|up -> down) needs one
 all-reduce for the pair. Merged column layers split each part on its own, so a rank's slice is
 ``[q_r | k_r | v_r]``, and a split that ends inside nothing but whole heads keeps heads whole.
+
+The weight's format is the layer's ``quant_method`` (``deepbatch/layers/quantization``), taken from
+the quantization scope at construction. The loaders below cut every parameter by the metadata it
+carries (``output_dim``/``input_dim`` and their units), so a block scale or a packed int4 tensor is
+sharded and merged by the same code as a bf16 weight.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepbatch.distributed.parallel_state import TensorParallelGroup, current_tp_group
+from deepbatch.layers.quantization.base import UNQUANTIZED, LinearMethod, current_linear_method, shard_param
 
 
 def _copy_checked(dst: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -30,19 +36,77 @@ def _copy_checked(dst: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     dst.copy_(loaded)
 
 
+def _units(features: int, unit: int, what: str) -> int:
+    """``features`` in indices of a dim whose index covers ``unit`` features (block scales, packed
+    ints): a part or a rank's share that does not start and end on a unit boundary cannot be cut."""
+    if features % unit:
+        raise ValueError(f"{what}: {features} features do not split on the format's unit of {unit} "
+                         "(a quantization block or packed word would straddle two parts or ranks)")
+    return features // unit
+
+
+def _rank_slice(param: nn.Parameter, loaded: torch.Tensor, side: str | None, local_features: int,
+                tp: TensorParallelGroup) -> torch.Tensor:
+    """This rank's 1/N of ``loaded`` along the param's ``side`` ("output" or "input") dim, which
+    holds ``local_features`` features per rank (the whole tensor where the param has no such dim)."""
+    dim = getattr(param, f"{side}_dim", None) if side is not None else None
+    if dim is None or tp.is_single:
+        return loaded
+    _units(local_features, getattr(param, f"{side}_unit"), f"tensor_parallel_size {tp.world_size}")
+    if loaded.shape[dim] % tp.world_size:
+        raise ValueError(f"tensor_parallel_size: checkpoint tensor of shape {tuple(loaded.shape)} does not split "
+                         f"into {tp.world_size} along dim {dim}")
+    return loaded.chunk(tp.world_size, dim)[tp.rank]
+
+
 class Linear(nn.Module):
     """Replicated: every rank holds the whole weight."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, out_sizes: list[int] | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.part_sizes = list(out_sizes) if out_sizes is not None else [out_features]
+        self.params_dtype = torch.get_default_dtype()
+        self.quant_method: LinearMethod = UNQUANTIZED
+        self.set_quant_method(current_linear_method())
+        self.bias = shard_param(torch.empty(out_features), output_dim=0) if bias else None
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """(Re)create the weight's parameters for ``method``, dropping those of the old one."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            delattr(self, name)
+        self.quant_method = method
+        method.create_weights(self, self.in_features, self.part_sizes, self.params_dtype)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    @torch.no_grad()
+    def dequantize_in_place(self) -> None:
+        """Keep the weight as a plain ``[out, in]`` matrix in the model dtype from now on (for code
+        that reads the matrix itself, like MLA's absorbed ``kv_b_proj``); call after loading."""
+        if self.quant_method is UNQUANTIZED:
+            return
+        weight = self.quant_method.dequantize(self).to(self.params_dtype).contiguous()
+        self.set_quant_method(UNQUANTIZED)
+        self.weight.data = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is UNQUANTIZED:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x)
+        return y + self.bias if self.bias is not None else y
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        """Copy checkpoint tensor ``loaded`` (part ``shard`` of a merged projection, or the whole
+        tensor) into this rank's ``param``. A format's parameter that needs its own handling
+        (metadata, tensors shared by the parts) carries a ``custom_loader``."""
+        custom = getattr(param, "custom_loader", None)
+        if custom is not None:
+            return custom(self, param, loaded, shard)
+        self._load(param, loaded, shard)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         _copy_checked(param.data, loaded, "tensor")
 
 
@@ -50,14 +114,21 @@ class MergedLinear(Linear):
     """Several projections of the same input, concatenated along the output dim."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(out_sizes), bias)
+        super().__init__(in_features, sum(out_sizes), bias, out_sizes=out_sizes)
         self.out_sizes = list(out_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if shard is None:
-            return super().weight_loader(param, loaded)
-        _copy_checked(param.data.narrow(0, self.offsets[shard], self.out_sizes[shard]), loaded, f"shard {shard}")
+            return super()._load(param, loaded, None)
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} is one value for the whole merged "
+                             f"projection, but part {shard} came alone")
+        unit = param.output_unit
+        what = f"part {shard} of a merged projection"
+        dst = param.data.narrow(dim, _units(self.offsets[shard], unit, what), _units(self.out_sizes[shard], unit, what))
+        _copy_checked(dst, loaded, f"shard {shard}")
 
 
 class ColumnParallelLinear(Linear):
@@ -67,8 +138,8 @@ class ColumnParallelLinear(Linear):
         self.tp = current_tp_group()
         super().__init__(in_features, self.tp.split(out_features, "output features"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        _copy_checked(param.data, loaded.chunk(self.tp.world_size, 0)[self.tp.rank], "tensor")
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        _copy_checked(param.data, _rank_slice(param, loaded, "output", self.out_features, self.tp), "tensor")
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -88,13 +159,25 @@ class MergedColumnParallelLinear(MergedLinear):
         super().__init__(in_features, local, bias)
         self.global_sizes = list(out_sizes)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        dim = getattr(param, "output_dim", None)
         if shard is None:  # an already merged checkpoint tensor: load part by part
-            for i, part in enumerate(loaded.split(self.global_sizes, 0)):
-                self.weight_loader(param, part, i)
+            if dim is None:
+                return super()._load(param, loaded, None)
+            unit = param.output_unit
+            sizes = [_units(s, unit, "a merged checkpoint tensor") for s in self.global_sizes]
+            if loaded.shape[dim] != sum(sizes):
+                raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} for parts of {self.global_sizes} rows")
+            for i, part in enumerate(loaded.split(sizes, dim)):
+                self._load(param, part, i)
             return
         block, num_blocks = self.part_shards[shard]
-        super().weight_loader(param, loaded.chunk(num_blocks, 0)[block], shard)
+        if dim is not None and num_blocks > 1:
+            if loaded.shape[dim] % num_blocks:
+                raise ValueError(f"tensor_parallel_size: part {shard} of shape {tuple(loaded.shape)} does not split "
+                                 f"into {num_blocks} along dim {dim}")
+            loaded = loaded.chunk(num_blocks, dim)[block]
+        super()._load(param, loaded, shard)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -132,15 +215,15 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.is_single:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return super().forward(x)
+        y = F.linear(x, self.weight) if self.quant_method is UNQUANTIZED else self.quant_method.apply(self, x)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         elif self.tp.rank != 0:
             return y
         return y + self.bias if self.bias is not None else y
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        if param is self.bias:
-            return super().weight_loader(param, loaded)
-        _copy_checked(param.data, loaded.chunk(self.tp.world_size, 1)[self.tp.rank], "tensor")
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        # The bias (and any per-output-channel scale) has no input dim: every rank takes it whole.
+        side = None if param is self.bias else "input"
+        _copy_checked(param.data, _rank_slice(param, loaded, side, self.in_features, self.tp), "tensor")

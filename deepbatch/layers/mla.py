@@ -137,6 +137,11 @@ class MultiHeadLatentAttention(nn.Module):
         (self.latent_cache,) = caches
         self.backend = backend
 
+    def process_weights_after_loading(self) -> None:
+        """The absorbed path reads ``kv_b_proj``'s matrix itself, so a quantized checkpoint's
+        ``kv_b_proj`` is kept dequantized in the model dtype (it is small: R x H(Dn + Dv))."""
+        self.kv_b_proj.dequantize_in_place()
+
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, Dn, R]`` and ``W_UV [H, Dv, R]``: views of ``kv_b_proj.weight``, no copies."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepbatch.distributed.parallel_state import current_tp_group
-from deepbatch.kernels.fused_moe import fused_moe, fused_moe_ref, triton
+from deepbatch.layers.quantization.base import FusedMoEMethod, current_moe_method
 
 
 class TopKRouter(nn.Module):
@@ -88,17 +88,23 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.tp = current_tp_group()
-        self.num_experts, self.intermediate = num_experts, self.tp.split(intermediate, "moe_intermediate_size")
-        local = self.intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local), requires_grad=False)
+        self.num_experts, self.hidden = num_experts, hidden
+        self.intermediate = self.tp.split(intermediate, "moe_intermediate_size")
+        self.quant_method: FusedMoEMethod = current_moe_method()
+        self.quant_method.create_weights(self, num_experts, hidden, self.intermediate, torch.get_default_dtype())
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str] | None = None) -> None:
         """``shard``: ``None`` for a whole stacked tensor, else ``(expert, "gate_proj" | "up_proj" |
-        "down_proj")`` for one expert's matrix."""
+        "down_proj")`` for one expert's matrix (or its scales: the same cut, in units of the
+        param's ``moe_unit`` intermediate features)."""
+        unit = getattr(param, "moe_unit", 1)
+        if self.intermediate % unit:
+            raise ValueError(f"moe_intermediate_size: this rank's {self.intermediate} features do not split on the "
+                             f"format's unit of {unit}")
+        rows = self.intermediate // unit
         if shard is None:
             dst = param.data
-            if param is self.gate_up_proj:  # [E, 2I, H]: this rank's rows of the gate and of the up half
+            if param.moe_role == "gate_up":  # [E, 2I, H]: this rank's rows of the gate and of the up half
                 gate, up = loaded.chunk(2, 1)
                 loaded = torch.cat((self._mine(gate, 1), self._mine(up, 1)), 1)
             else:  # down [E, H, I]
@@ -107,9 +113,9 @@ class FusedMoE(nn.Module):
             expert, part = shard
             dst = param.data[expert]
             if part == "gate_proj":
-                dst, loaded = dst[: self.intermediate], self._mine(loaded, 0)
+                dst, loaded = dst[:rows], self._mine(loaded, 0)
             elif part == "up_proj":
-                dst, loaded = dst[self.intermediate :], self._mine(loaded, 0)
+                dst, loaded = dst[rows:], self._mine(loaded, 0)
             else:  # down [H, I]
                 loaded = self._mine(loaded, 1)
         if dst.shape != loaded.shape:
@@ -117,12 +123,18 @@ class FusedMoE(nn.Module):
         dst.copy_(loaded)
 
     def _mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp.is_single:
+            return t
+        if t.shape[dim] % self.tp.world_size:
+            raise ValueError(f"tensor_parallel_size: expert tensor of shape {tuple(t.shape)} does not split into "
+                             f"{self.tp.world_size} along dim {dim}")
         return t.chunk(self.tp.world_size, dim)[self.tp.rank]
 
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton is not None:
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return self.quant_method.apply(self, x, topk_weights, topk_ids)
 
 
 class DeepseekMoE(nn.Module):

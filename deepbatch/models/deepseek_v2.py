@@ -8,7 +8,8 @@
 V3 differs only in its router (sigmoid scores with a correction bias, grouped top-k, normalised
 weights) and in a switch for the rotary layout. Either may have a q LoRA (``q_lora_rank``; V2-Lite
 has none). The multi-token-prediction layers V3 checkpoints carry (``model.layers.{L}...`` past
-``num_hidden_layers``) are not used for decoding and are skipped.
+``num_hidden_layers``, ``num_nextn_predict_layers`` of them) are loaded and kept
+(``model.mtp_layers``) for a speculative decoder; normal decoding does not run them.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ import torch
 from torch import nn
 
 from deepbatch.layers.decoder import DecoderStack, PreNormDecoderLayer
+from deepbatch.layers.linear import Linear
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
 from deepbatch.layers.moe import DeepseekMoE, TopKRouter
 from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
+from deepbatch.layers.quantization.base import quantization_scope
 from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from deepbatch.runner.forward_batch import ForwardBatch
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# One expert's tensor: its weight, or a quantized format's extra tensors (``weight_scale_inv`` ...),
+# which go to the stacked parameter of the same name (``gate_up_proj_scale_inv``).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)$")
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
@@ -49,12 +54,36 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
 
 
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """A DeepSeek-V3 multi-token-prediction module, which predicts one token further ahead::
+
+        h' = layer( eh_proj([ enorm(embed(next token)) | hnorm(h) ]) ) -> shared_head.norm -> head
+
+    The embedding and the output head are the main model's (V3 shares them; the checkpoint's
+    copies, ``embed_tokens`` and ``shared_head.head``, are not loaded again). Kept for a
+    speculative decoder; normal decoding does not run it, and it has no KV cache of its own."""
+
+    def __init__(self, config, layer_idx: int, router_kwargs: dict):
+        super().__init__(config, layer_idx, router_kwargs)
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
+        with quantization_scope(None):  # a 16-bit projection even in FP8 checkpoints
+            self.eh_proj = Linear(2 * hidden, hidden)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, config.rms_norm_eps)
+
+
 class DeepseekModel(DecoderStack):
     def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, router_kwargs) for i in range(config.num_hidden_layers)
+        )
+        num_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.mtp_layers = nn.ModuleList(
+            DeepseekMTPLayer(config, config.num_hidden_layers + i, router_kwargs) for i in range(num_mtp)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MLARotaryEmbedding(config, config.qk_rope_head_dim, max_position, rope_interleave)
@@ -110,23 +139,33 @@ class DeepseekV2ForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         num_layers = self.config.num_hidden_layers
+        num_mtp = len(self.model.mtp_layers)
         for name, tensor in weights:
             layer = _LAYER_INDEX.match(name)
-            if "rotary_emb.inv_freq" in name or (layer and int(layer.group(1)) >= num_layers):
-                continue  # recomputed; or a multi-token-prediction layer
+            if "rotary_emb.inv_freq" in name:
+                continue  # recomputed
+            if layer and int(layer.group(1)) >= num_layers:
+                index, rest = int(layer.group(1)) - num_layers, name[layer.end():]
+                if index >= num_mtp or rest.startswith(("embed_tokens.", "shared_head.head.")):
+                    continue  # beyond the configured MTP layers; or the main model's shared embedding/head
+                name = f"model.mtp_layers.{index}.{rest}"
             if (self.tie_word_embeddings and name == "lm_head.weight") or tensor.numel() == 0:
                 continue  # tied; or transformers' empty shared experts when n_shared_experts == 0
             expert = _EXPERT.search(name)
             if expert:
-                e, part = int(expert.group(1)), expert.group(2)
+                e, part, suffix = int(expert.group(1)), expert.group(2), expert.group(3)
                 stacked = "gate_up_proj" if part in ("gate_proj", "up_proj") else "down_proj"
-                target = name[: expert.start()] + f".experts.{stacked}"
+                target = name[: expert.start()] + f".experts.{stacked}" + suffix.removeprefix("weight")
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                 self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(params[target], tensor, (e, part))
                 loaded.add(target)
                 continue
             for src, dst, shard in self.stacked_params:
                 if f".{src}." in name:
                     target = name.replace(f".{src}.", f".{dst}.")
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
                     self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(params[target], tensor, shard)
                     loaded.add(target)
                     break
@@ -141,6 +180,9 @@ class DeepseekV2ForCausalLM(nn.Module):
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
                     params[name].data.copy_(tensor)
                 loaded.add(name)
+        if num_mtp and not any(n.startswith("model.mtp_layers.") for n in loaded):
+            # A checkpoint without them (transformers' save_pretrained writes none): nothing to keep.
+            self.model.mtp_layers = nn.ModuleList()
         return loaded
 
     def export_weights(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -158,13 +158,23 @@ def max_model_len_of(hf_config, requested: int | None) -> int:
 
 
 def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str, max_model_len: int):
-    """Construct the model on ``device`` in ``config.dtype`` and fill its weights."""
+    """Construct the model on ``device`` in ``config.dtype`` and fill its weights. Its linear
+    layers take the weight format of the checkpoint's ``quantization_config`` (or of
+    ``config.quantization``); each layer turns its loaded tensors into its kernel's layout at the
+    end (``process_weights_after_loading``)."""
+    from deepbatch.layers.quantization import UNQUANTIZED, get_quantization_config, quantization_scope
+
+    quant = get_quantization_config(hf_config, config.quantization)
     cls = get_model_class(hf_config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), quantization_scope(quant):
             model = cls(hf_config, max_position=max_model_len)
+            if quant is not None:
+                for name, module in model.named_modules():
+                    if hasattr(module, "set_quant_method") and quant.is_ignored(name):
+                        module.set_quant_method(UNQUANTIZED)
     finally:
         torch.set_default_dtype(prev)
     if source.kind == "config" or config.random_weights:
@@ -178,20 +188,45 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
         else:
             weights, total = iter_safetensors(source.path), None
         with torch.no_grad():
-            model.load_weights(tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False))
+            loaded = model.load_weights(tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False))
+        missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+        if missing:  # left uninitialized memory otherwise: a missing scale would poison every output
+            raise ValueError(f"model: the checkpoint has no tensor for {len(missing)} parameter(s): "
+                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    with torch.no_grad():
+        # Children first: a parent's hook (MLA dequantizing its kv_b_proj) sees processed layers.
+        for module in reversed(list(model.modules())):
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
+    model.quantization = quant
     return model.eval()
 
 
 @torch.no_grad()
 def _init_random(model: torch.nn.Module, seed: int) -> None:
-    """Seeded weights of a sensible scale (norms at 1, the rest N(0, 0.02)) for benchmarks."""
+    """Seeded weights of a sensible scale (norms at 1, the rest N(0, 0.02)) for benchmarks; a
+    quantized layer's own method fills its packed tensors and scales directly."""
     gens: dict[torch.device, torch.Generator] = {}
+
+    def gen(device: torch.device) -> torch.Generator:
+        return gens.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+
+    owned: set[str] = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        params = [p for n, p in module.named_parameters(recurse=False) if n != "bias"]
+        if params:
+            method.init_random(module, gen(params[0].device))
+        owned.update(f"{prefix}.{n}" for n, _ in module.named_parameters(recurse=False) if n != "bias")
     for name, p in model.named_parameters():
+        if name in owned:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
         else:
-            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-            p.normal_(0.0, 0.02, generator=gen)
-
+            p.normal_(0.0, 0.02, generator=gen(p.device))
