@@ -127,13 +127,16 @@ def kv_capacity(config) -> dict:
     configured ``kv_cache_dtype`` and, under ``per_dtype``, for each cache format (an error string
     where the model cannot use one)."""
     from deepbatch.bench.roofline import model_cost
+    from deepbatch.layers.quantization import get_quantization_config
     from deepbatch.models.loader import load_hf_config, max_model_len_of, resolve_model
 
     source = resolve_model(config.model.model)
     hf = load_hf_config(source, config.model.cache_dir)
     elem = torch.tensor([], dtype=config.model.dtype).element_size()
     chosen = config.cache.kv_cache_dtype
-    cost = model_cost(hf, elem, chosen)
+    quant = get_quantization_config(hf, config.model.quantization)
+    weight_bits = quant.weight_bits() if quant is not None else None
+    cost = model_cost(hf, elem, chosen, weight_bits)
     if config.device.startswith("cuda") and torch.cuda.is_available():
         _, total = torch.cuda.mem_get_info()
         budget = total * config.cache.gpu_memory_utilization - cost.weight_bytes
@@ -142,12 +145,13 @@ def kv_capacity(config) -> dict:
     per_dtype = {}
     for name in dict.fromkeys((chosen, *KV_DTYPES_COMPARED)):
         try:
-            per_token = model_cost(hf, elem, name).kv_bytes_per_token
+            per_token = model_cost(hf, elem, name, weight_bits).kv_bytes_per_token
         except ValueError as e:
             per_dtype[name] = {"error": str(e)}
             continue
         per_dtype[name] = {"kv_bytes_per_token": per_token, "kv_capacity_tokens": max(int(budget // per_token), 0)}
-    return {"model": source.name, "kv_cache_dtype": chosen, "kv_bytes_per_token": cost.kv_bytes_per_token,
+    return {"model": source.name, "weights": quant.describe() if quant is not None else str(config.model.dtype),
+            "kv_cache_dtype": chosen, "kv_bytes_per_token": cost.kv_bytes_per_token,
             "weight_bytes_estimate": cost.weight_bytes, "kv_budget_bytes": budget,
             "kv_capacity_tokens": per_dtype[chosen]["kv_capacity_tokens"], "per_dtype": per_dtype,
             "max_model_len": max_model_len_of(hf, config.model.max_model_len)}
@@ -195,6 +199,7 @@ def format_report(rep: dict) -> str:
     if "error" in kv:
         lines.append(f"kv         unavailable: {kv['error']}")
     else:
+        lines.append(f"weights    {kv['model']}: {kv['weights']}, about {kv['weight_bytes_estimate'] / gib:.2f} GiB")
         lines.append(f"kv         {kv['model']}, kv_cache_dtype {kv['kv_cache_dtype']}: "
                      f"{kv['kv_bytes_per_token'] / 1024:.1f} KiB per token, budget "
                      f"{kv['kv_budget_bytes'] / gib:.2f} GiB -> {kv['kv_capacity_tokens']:,} tokens "

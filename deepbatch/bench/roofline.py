@@ -30,8 +30,11 @@ class ModelCost:
 _MODEL_DTYPE = {2: torch.bfloat16, 4: torch.float32}
 
 
-def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> ModelCost:
-    """Weights in ``dtype_bytes`` per parameter; the KV cache as ``kv_cache_dtype`` stores it."""
+def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto", weight_bits: float | None = None) -> ModelCost:
+    """Weights in ``dtype_bytes`` per parameter, or the decoder layers' projections (experts
+    included) in ``weight_bits`` each where the weights are quantized (the embedding, the head and
+    MLA's ``kv_b_proj``, kept dequantized, stay in ``dtype_bytes``); the KV cache as
+    ``kv_cache_dtype`` stores it."""
     kv_dtype = kv_cache_storage_dtype(kv_cache_dtype, _MODEL_DTYPE.get(dtype_bytes, torch.bfloat16))
     h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
     heads = cfg.num_attention_heads
@@ -41,12 +44,14 @@ def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> Model
         q = h * heads * qk if not getattr(cfg, "q_lora_rank", None) else h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk
         kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         attn = q + kv + heads * cfg.v_head_dim * h
+        kept_16bit = layers * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b_proj
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the MLA latent cache is stored in the model dtype only")
         kv_tok = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
     else:
         kvh = getattr(cfg, "num_key_value_heads", None) or heads
         attn = h * head_dim * (heads + 2 * kvh) + heads * head_dim * h
+        kept_16bit = 0
         per_head = head_dim * dtype_bytes if kv_cache_dtype == "auto" else kv_bytes_per_token_head(head_dim, kv_dtype)
         kv_tok = layers * 2 * kvh * per_head
     n_experts = getattr(cfg, "n_routed_experts", None)
@@ -62,7 +67,10 @@ def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> Model
     embed = vocab * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
     total = layers * attn + mlp_all + embed
     active = layers * attn + mlp_active + vocab * h  # the head runs per token; the embedding is a lookup
-    return ModelCost(total * dtype_bytes, active, kv_tok)
+    if weight_bits is None:
+        return ModelCost(total * dtype_bytes, active, kv_tok)
+    linear = layers * attn + mlp_all - kept_16bit
+    return ModelCost(linear * weight_bits / 8 + (embed + kept_16bit) * dtype_bytes, active, kv_tok)
 
 
 def workload_ceiling(cost: ModelCost, prompt_lens, output_lens, max_batch: int = 256,

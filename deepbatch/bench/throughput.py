@@ -26,7 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from deepbatch.bench.roofline import model_cost, workload_ceiling
+from deepbatch.bench.roofline import H200_FLOPS, model_cost, workload_ceiling
+from deepbatch.layers.quantization import get_quantization_config
 from deepbatch.bench.memory_report import KVSampler, format_memory
 from deepbatch.bench.workloads import WORKLOADS, make_workload
 
@@ -134,15 +135,21 @@ def run(args: argparse.Namespace) -> dict:
     dtype_bytes = torch.tensor([], dtype=engine.config.model.dtype).element_size()
     # The cache's real bytes per token, as allocated (8-bit K/V and any scales beside them).
     kv_bytes_per_token = engine.runner.kv_bytes_per_block() / engine.config.cache.block_size
-    cost = replace(model_cost(cfg, dtype_bytes), kv_bytes_per_token=kv_bytes_per_token)
+    quant = get_quantization_config(cfg, args.quantization)
+    cost = replace(model_cost(cfg, dtype_bytes, weight_bits=quant.weight_bits() if quant else None),
+                   kv_bytes_per_token=kv_bytes_per_token)
     # The roofline is the H200's; it means nothing for a CPU run.
-    ceiling = (workload_ceiling(cost, [len(p) for p in w.prompts], w.output_lens)
+    flops = H200_FLOPS * (quant.compute_speedup() if quant else 1.0)
+    ceiling = (workload_ceiling(cost, [len(p) for p in w.prompts], w.output_lens, flops=flops)
                if device.startswith("cuda") else None)
     ours = {"name": "deepbatch", "seconds": dt, "requests": w.num_requests, "output_tokens": n_out,
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_bytes_per_token": kv_bytes_per_token,
+            "weights": quant.describe() if quant else str(engine.config.model.dtype).removeprefix("torch."),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+            if hasattr(engine.runner, "model") else None,
             "prefix_hit_rate": engine.kv_cache.num_hit_tokens / max(engine.kv_cache.num_queried_tokens, 1),
             "admission": args.admission, "swap_space_gib": args.swap_space, "mla_prefill": args.mla_prefill,
             "memory": memory}

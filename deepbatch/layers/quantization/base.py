@@ -147,6 +147,16 @@ class QuantizationConfig:
     def describe(self) -> str:
         return self.name
 
+    def weight_bits(self) -> float:
+        """Stored bits per weight of a quantized linear layer, its scales and zero points included
+        (the roofline's bytes per step, the doctor's weight estimate)."""
+        raise NotImplementedError
+
+    def compute_speedup(self) -> float:
+        """How much faster than 16-bit its GEMMs can compute at best: 2 for FP8 tensor cores,
+        1 for weight-only formats (their products run in 16 bits)."""
+        return 1.0
+
 
 UNQUANTIZED = UnquantizedLinearMethod()
 UNQUANTIZED_MOE = FusedMoEMethod()

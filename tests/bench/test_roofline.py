@@ -1,0 +1,57 @@
+"""The roofline's weight bytes, held to the parameter count of transformers' own model built on the
+meta device from the same config (no memory), in 16 bits and in the quantized formats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepbatch.bench.roofline import model_cost
+
+MODELS = "benchmarks/models"
+
+
+def load(name: str):
+    from transformers import AutoConfig
+
+    with open(f"{MODELS}/{name}.json") as f:
+        return AutoConfig.for_model(**json.load(f))
+
+
+def hf_params(cfg) -> tuple[int, int]:
+    """(all parameters, those outside the decoder layers' projections) of transformers' model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    projections = sum(p.numel() for n, p in model.named_parameters()
+                      if n.startswith("model.layers.") and ("proj" in n or "experts" in n) and p.dim() >= 2)
+    return total, total - projections
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-0.6b", "deepseek-v2-lite"])
+def test_16_bit_weight_bytes_count_every_parameter(name):
+    cfg = load(name)
+    total, _ = hf_params(cfg)
+    # Norms (a few hidden-sized vectors per layer) are the only parameters the roofline leaves out.
+    assert model_cost(cfg, 2).weight_bytes == pytest.approx(2 * total, rel=2e-3)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "deepseek-v2-lite"])
+def test_fp8_block_weights_take_one_byte_per_projection_weight(name):
+    from deepbatch.layers.quantization.fp8 import Fp8Config
+
+    cfg = load(name)
+    total, other = hf_params(cfg)
+    bits = Fp8Config((128, 128)).weight_bits()
+    assert bits == 8 + 32 / 128**2
+    got = model_cost(cfg, 2, weight_bits=bits).weight_bytes
+    kv_b = 0
+    if getattr(cfg, "kv_lora_rank", None):  # MLA keeps kv_b_proj dequantized
+        kv_b = cfg.num_hidden_layers * cfg.kv_lora_rank * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    want = (total - other - kv_b) * bits / 8 + (other + kv_b) * 2
+    assert got == pytest.approx(want, rel=2e-3)
+    assert got < 0.6 * model_cost(cfg, 2).weight_bytes
