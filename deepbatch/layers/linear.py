@@ -59,6 +59,21 @@ def _rank_slice(param: nn.Parameter, loaded: torch.Tensor, side: str | None, loc
     return loaded.chunk(tp.world_size, dim)[tp.rank]
 
 
+def check_merged_parts_loaded(model: nn.Module) -> None:
+    """A merged layer's parameter counts as loaded once any part is, so a checkpoint missing one
+    part (``k_proj``'s scale, say) would leave those rows uninitialized: refuse it, naming the part."""
+    for name, module in model.named_modules():
+        parts = len(getattr(module, "part_sizes", ()))
+        if parts < 2:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            got = getattr(p, "parts_loaded", None)
+            if got and None not in got and got != set(range(parts)):
+                missing = sorted(set(range(parts)) - got)
+                raise ValueError(f"model: the checkpoint has no tensor for part(s) {missing} of {name}.{pname} "
+                                 f"(merged from {parts} projections, in checkpoint order: q|k|v or gate|up)")
+
+
 class Linear(nn.Module):
     """Replicated: every rank holds the whole weight."""
 
@@ -103,8 +118,12 @@ class Linear(nn.Module):
         (metadata, tensors shared by the parts) carries a ``custom_loader``."""
         custom = getattr(param, "custom_loader", None)
         if custom is not None:
-            return custom(self, param, loaded, shard)
-        self._load(param, loaded, shard)
+            custom(self, param, loaded, shard)
+        else:
+            self._load(param, loaded, shard)
+        if not hasattr(param, "parts_loaded"):
+            param.parts_loaded = set()
+        param.parts_loaded.add(shard)  # None: the whole tensor at once
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         _copy_checked(param.data, loaded, "tensor")

@@ -162,6 +162,7 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
     layers take the weight format of the checkpoint's ``quantization_config`` (or of
     ``config.quantization``); each layer turns its loaded tensors into its kernel's layout at the
     end (``process_weights_after_loading``)."""
+    from deepbatch.layers.linear import check_merged_parts_loaded
     from deepbatch.layers.quantization import UNQUANTIZED, get_quantization_config, quantization_scope
 
     quant = get_quantization_config(hf_config, config.quantization)
@@ -193,6 +194,7 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
         if missing:  # left uninitialized memory otherwise: a missing scale would poison every output
             raise ValueError(f"model: the checkpoint has no tensor for {len(missing)} parameter(s): "
                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        check_merged_parts_loaded(model)
     with torch.no_grad():
         # Children first: a parent's hook (MLA dequantizing its kv_b_proj) sees processed layers.
         for module in reversed(list(model.modules())):

@@ -8,6 +8,7 @@ in its ``config.json`` (or asked for with ``--quantization``), and every linear 
     "awq" (GEMM)                        W4A16, group-wise, zero points           awq.py
     "gptq" (4-bit)                      W4A16, group-wise                        gptq.py
     "compressed-tensors"                FP8_DYNAMIC (W8A8) or W4A16 pack-quantized compressed_tensors.py
+    (the 4-bit formats share w4a16.py: one layout after loading, one kernel)
 
 Anything else (another method, bit width, group size or option) is refused at load with an error
 naming it: a checkpoint is never loaded as if it were 16-bit.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +156,27 @@ class QuantizationConfig:
         """How much faster than 16-bit its GEMMs can compute at best: 2 for FP8 tensor cores,
         1 for weight-only formats (their products run in 16 bits)."""
         return 1.0
+
+
+# Merged layers and the checkpoint projections they hold, for matching per-projection ignore lists.
+MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def ignored_by(module_name: str, matches: Callable[[str], bool], fmt: str) -> bool:
+    """Whether the checkpoint left ``module_name`` unquantized, by the checkpoint's own names: a
+    merged layer (q|k|v, gate|up) is when all its projections are, and one whose projections
+    differ cannot be built (one layer holds one format)."""
+    prefix, _, leaf = module_name.rpartition(".")
+    parts = MERGED_PARTS.get(leaf)
+    if parts is None:
+        return matches(module_name)
+    names = [f"{prefix}.{p}" if prefix else p for p in parts]
+    hits = [matches(n) for n in names]
+    if any(hits) and not all(hits):
+        kept = [n for n, h in zip(names, hits) if not h]
+        raise ValueError(f"quantization {fmt}: the checkpoint leaves some projections of {module_name} unquantized "
+                         f"but not {', '.join(kept)}; one merged layer cannot mix formats")
+    return all(hits)
 
 
 UNQUANTIZED = UnquantizedLinearMethod()

@@ -23,7 +23,7 @@ import math
 import torch
 
 from deepbatch.kernels.common import triton
-from deepbatch.layers.quantization.base import LinearMethod, QuantizationConfig, shard_param
+from deepbatch.layers.quantization.base import LinearMethod, QuantizationConfig, ignored_by, shard_param
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -212,8 +212,8 @@ class Fp8Config(QuantizationConfig):
         return Fp8BlockMoEMethod(self.block_size or (128, 128), online=self.block_size is None)
 
     def is_ignored(self, module_name: str) -> bool:
-        return any(module_name == m or module_name.endswith("." + m) or module_name.startswith(m + ".")
-                   for m in self.ignored)
+        # transformers' rule for modules_to_not_convert: a listed name anywhere in the module's name.
+        return bool(self.ignored) and ignored_by(module_name, lambda n: any(m in n for m in self.ignored), self.name)
 
     def weight_bits(self) -> float:
         if self.block_size:

@@ -180,13 +180,18 @@ def _drop_scale(tensors):
     del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
 
 
+def _drop_one_part(tensors):
+    del tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"]
+
+
 def _bad_scale_shape(tensors):
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     tensors[name] = tensors[name][:1]
 
 
-@pytest.mark.parametrize("corrupt, message", [(_drop_scale, "weight_scale_inv"), (_bad_scale_shape, "shape")],
-                         ids=["missing-scale", "wrong-scale-shape"])
+@pytest.mark.parametrize("corrupt, message", [(_drop_scale, "weight_scale_inv"), (_bad_scale_shape, "shape"),
+                                             (_drop_one_part, r"part\(s\) \[1\] of model.layers.0.self_attn.qkv_proj")],
+                         ids=["missing-scale", "wrong-scale-shape", "missing-merged-part"])
 def test_corrupt_checkpoints_fail_to_load_with_a_clear_error(tmp_path, corrupt, message):
     from transformers import AutoModelForCausalLM
 
