@@ -5,7 +5,7 @@ A decode step with batch B at contexts L_i reads the weights once and each seque
 ``t_compute = B * 2 * active_params / F``; the step takes ``max`` of the two. Prefill runs at
 compute cost. Requests run in lockstep waves of at most ``max_batch``. ``kv_bytes_per_token`` is
 the cache's own: an 8-bit ``kv_cache_dtype`` stores one byte per element, plus int8's per-token
-scales.
+scales (and, for an MLA latent, both formats' two per-token scales).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepbatch.kernels.kv_quant import kv_bytes_per_token_head, kv_cache_storage_dtype
+from deepbatch.kernels.kv_quant import (
+    kv_bytes_per_token_head,
+    kv_cache_storage_dtype,
+    mla_kv_bytes_per_token,
+)
 
 H200_BW = 4.3e12  # bytes/s, device-to-device copy measured on the lent H200
 H200_FLOPS = 790e12  # bf16 dense matmul, measured
@@ -45,9 +49,10 @@ def model_cost(cfg, dtype_bytes: int = 2, kv_cache_dtype: str = "auto", weight_b
         kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         attn = q + kv + heads * cfg.v_head_dim * h
         kept_16bit = layers * cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b_proj
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the MLA latent cache is stored in the model dtype only")
-        kv_tok = layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        # 8-bit: a byte per element plus two float32 scales (c_kv's, k_pe's) per token.
+        kv_tok = layers * (latent * dtype_bytes if kv_cache_dtype == "auto"
+                           else mla_kv_bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim, kv_dtype))
     else:
         kvh = getattr(cfg, "num_key_value_heads", None) or heads
         attn = h * head_dim * (heads + 2 * kvh) + heads * head_dim * h

@@ -9,6 +9,14 @@ and the dequantization the attention kernels' torch references apply to gathered
                                           blocks as [num_blocks, block_size, Hkv]; symmetric:
                                           scale = absmax / 127, x_q = round(x / scale)
 
+The MLA latent cache (DeepSeek-V2/V3) keeps ``[c_kv (R) | k_pe (P)]`` per token and quantizes
+both 8-bit formats per token: each part gets its own float32 scale (``[num_blocks, block_size, 2]``:
+c_kv's, then k_pe's), ``absmax / 127`` for int8 and ``absmax / fp8_max`` for fp8. Two scales, since
+c_kv leaves an RMSNorm while k_pe is a rotated projection with no norm, so their ranges need not
+match: one absmax over both would let the wider part set the other's step. Per token for fp8 too:
+DeepSeek checkpoints carry no KV scales, and a per-token absmax uses the format's whole range
+without calibration and never saturates.
+
 Per-token int8 scales need no calibration and keep an outlier token's range from flattening every
 other token's. The ``quant mode`` the kernels specialise on is 0 (no scales), 1 (per-layer
 floats) or 2 (per-token tensors). The Triton helpers here and the torch functions do the same
@@ -53,8 +61,23 @@ def kv_bytes_per_token_head(head_dim: int, cache_dtype: torch.dtype) -> int:
     return head_dim * cache_dtype.itemsize + (SCALE_DTYPE.itemsize if quant_mode(cache_dtype) == 2 else 0)
 
 
+MLA_SCALES_PER_TOKEN = 2  # c_kv, k_pe
+
+
+def mla_kv_bytes_per_token(rank: int, rope: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one token's latent takes in one layer's MLA cache, its two scales included."""
+    scales = MLA_SCALES_PER_TOKEN * SCALE_DTYPE.itemsize if quant_mode(cache_dtype) else 0
+    return (rank + rope) * cache_dtype.itemsize + scales
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
+
+
+def quant_limit(cache_dtype: torch.dtype) -> float:
+    """The largest stored magnitude of a per-token scaled 8-bit format (127 for int8): a vector's
+    absmax is its scale times this."""
+    return 127.0 if cache_dtype == torch.int8 else fp8_max(cache_dtype)
 
 
 def check_kv_scales(fail: Callable[[str], None], k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -85,6 +108,26 @@ def check_kv_scales(fail: Callable[[str], None], k_cache: torch.Tensor, v_cache:
     if k_scale.stride() != v_scale.stride():
         fail(f"k_scale and v_scale need one set of strides, got {k_scale.stride()} and {v_scale.stride()}")
     return 2, 1.0, 1.0
+
+
+def check_latent_scale(fail: Callable[[str], None], latent_cache: torch.Tensor, latent_scale) -> bool:
+    """Whether an MLA latent cache is 8-bit, after checking its scales: none for a 16/32-bit
+    cache; else a float32 tensor ``[num_blocks, block_size, 2]`` on the cache's device whose two
+    scales of a token are adjacent."""
+    if quant_mode(latent_cache.dtype) == 0:
+        if latent_scale is not None:
+            fail(f"latent_scale is for 8-bit latent caches, not {latent_cache.dtype}")
+        return False
+    want = (*latent_cache.shape[:2], MLA_SCALES_PER_TOKEN)
+    if not torch.is_tensor(latent_scale) or latent_scale.dtype != SCALE_DTYPE or tuple(latent_scale.shape) != want:
+        got = f"{latent_scale.dtype} {tuple(latent_scale.shape)}" if torch.is_tensor(latent_scale) else repr(latent_scale)
+        fail(f"latent_scale of a {latent_cache.dtype} latent cache must be a {SCALE_DTYPE} tensor of shape {want}, "
+             f"got {got}")
+    if latent_scale.device != latent_cache.device:
+        fail(f"latent_scale is on {latent_scale.device}, the cache on {latent_cache.device}")
+    if latent_scale.stride(-1) != 1:
+        fail(f"latent_scale needs a contiguous last dimension, strides {latent_scale.stride()}")
+    return True
 
 
 class KVScaleArgs:
@@ -131,6 +174,40 @@ def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.clamp(-127.0, 127.0).trunc().to(torch.int8), absmax / 127.0
 
 
+def quantize_fp8_per_token_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` for ``x [..., D]``: ``q`` in the fp8 ``dtype``, ``scale [...]`` float32 =
+    absmax / fp8_max with ``x ~ q * scale``; ``q = x * (fp8_max / absmax)``, saturated (the
+    product may land an ulp past the maximum) and rounded to nearest even. An all-zero vector gets
+    scale 0 and zeros."""
+    x = x.float()
+    limit = fp8_max(dtype)
+    absmax = x.abs().amax(-1)
+    nonzero = absmax > 0
+    inv = torch.where(nonzero, torch.full_like(absmax, limit) / torch.where(nonzero, absmax, 1.0), 0.0)
+    q = (x * inv.unsqueeze(-1)).clamp(-limit, limit).to(dtype)
+    return q, absmax / limit
+
+
+def quantize_latent_ref(c_kv: torch.Tensor, k_pe: torch.Tensor,
+                        cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(latent [..., R+P] in cache_dtype, scales [..., 2] float32)`` of an 8-bit MLA cache."""
+    if cache_dtype == torch.int8:
+        (cq, cs), (pq, ps) = quantize_int8_ref(c_kv), quantize_int8_ref(k_pe)
+    else:
+        (cq, cs), (pq, ps) = quantize_fp8_per_token_ref(c_kv, cache_dtype), quantize_fp8_per_token_ref(k_pe, cache_dtype)
+    return torch.cat((cq, pq), -1), torch.stack((cs, ps), -1)
+
+
+def dequantize_latent_ref(latent: torch.Tensor, scale: torch.Tensor | None, rank: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Latent-cache entries ``[..., R+P]`` back to ``dtype``; ``scale [..., 2]`` (c_kv's, k_pe's)
+    or None for a cache in a 16/32-bit dtype."""
+    if scale is None:
+        return latent.to(dtype)
+    x = latent.float()
+    return torch.cat((x[..., :rank] * scale[..., :1], x[..., rank:] * scale[..., 1:]), -1).to(dtype)
+
+
 def dequantize_ref(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
     """Cache elements ``x [..., D]`` back to ``dtype``: ``scale`` is None (a 16/32-bit cache),
     a float (fp8) or a tensor ``[...]`` (int8, one per token and head)."""
@@ -156,3 +233,16 @@ def quantize_int8(x):
     y = y + tl.where(y >= 0, 0.5, -0.5)
     q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)  # the cast truncates toward zero
     return q, absmax / 127.0
+
+
+@_jit
+def quantize_fp8_per_token(x, FP8_MAX: tl.constexpr):
+    """``(x / scale saturated, in fp32 [R, C]; scale fp32 [R])`` of ``x`` fp32 ``[R, C]`` (masked
+    columns 0): the ops of :func:`quantize_fp8_per_token_ref` in its order; the caller's cast to
+    the fp8 type rounds."""
+    absmax = tl.max(tl.abs(x), 1)
+    limit = tl.full(absmax.shape, FP8_MAX, tl.float32)
+    nonzero = absmax > 0
+    inv = tl.where(nonzero, tl.math.div_rn(limit, tl.where(nonzero, absmax, 1.0)), 0.0)
+    y = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX), FP8_MAX)
+    return y, tl.math.div_rn(absmax, limit)

@@ -17,12 +17,23 @@ With ``context_lse`` the same kernel gives the other half of the expanded MLA pr
 their cached context ``0 .. seq_len - q_len - 1`` alone, and each row's log-sum-exp of scaled
 scores (log2 units) is written beside it; a chunk without context gets ``-inf`` there and its
 rows of ``out`` are not written.
+
+An 8-bit latent cache (``kernels/kv_quant.py``: fp8 or int8, one float32 scale per token for
+``c_kv`` and one for ``k_pe``, in ``latent_scale [num_blocks, block_size, 2]``) is dequantized
+where it is read: the reference dequantizes the blocks it gathers; the kernels widen each key tile
+to the query's dtype in registers (exact for every int8 and fp8 value, so no fp8 ``tl.dot`` is
+ever issued) and fold the scales into the score columns (``c_kv``'s and ``k_pe``'s into their own
+dot) and, ``c_kv``'s, into the probabilities before the value dot. There the probabilities are
+weighted by each key's absmax (its scale times the format's limit, 127 or the fp8 maximum) and
+the limit is divided out of the output: the 16-bit operand then has the magnitude of the values
+themselves, where ``p * scale`` would sink into fp16's subnormals (``absmax / 57344`` for e5m2).
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepbatch.kernels.kv_quant import check_latent_scale, dequantize_latent_ref, quant_limit
 from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
 from deepbatch.kernels.common import (check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl,
                                       triton)
@@ -40,9 +51,11 @@ def mla_attention_ref(
     *,
     max_q_len: int | None = None,
     context_lse: torch.Tensor | None = None,  # [T, H] float32
+    latent_scale: torch.Tensor | None = None,  # 8-bit caches: [N, bs, 2] float32
 ) -> torch.Tensor:
     """Plain PyTorch reference, one sequence at a time, in float32; also the CPU backend.
-    ``max_q_len`` and ``context_lse``: as in :func:`mla_attention`."""
+    ``max_q_len``, ``context_lse`` and ``latent_scale``: as in :func:`mla_attention`."""
+    check_latent_scale(_ref_fail, latent_cache, latent_scale)
     if out is None:
         out = torch.empty_like(q_latent)
     rank = q_latent.shape[-1]
@@ -53,7 +66,9 @@ def mla_attention_ref(
         if q_len == 0 or (max_q_len is not None and q_len > max_q_len) or (context_lse is not None and q_len < 2):
             continue
         num_keys = seq_len - q_len if context_lse is not None else seq_len
-        kv = gather_kv(latent_cache, block_tables[i], num_keys)[:, 0].float()  # [L, R+P]
+        kv_scale = None if latent_scale is None else gather_kv(latent_scale, block_tables[i], num_keys)
+        kv = dequantize_latent_ref(gather_kv(latent_cache, block_tables[i], num_keys)[:, 0], kv_scale, rank,
+                                   torch.float32)  # [L, R+P]
         c_kv, k_pe = kv[:, :rank], kv[:, rank:]
         ql = q_latent[qs:qe].float().transpose(0, 1)  # [H, q_len, R]
         qp = q_pe[qs:qe].float().transpose(0, 1)  # [H, q_len, P]
@@ -70,6 +85,9 @@ def mla_attention_ref(
     return out
 
 
+def _ref_fail(msg: str) -> None:
+    raise ValueError(f"mla_attention_ref: {msg}")
+
 
 # A program handles BLOCK_Q query tokens of one sequence times BLOCK_H heads, packed as the rows of
 # one tile (every head reads the same latent keys, so a key tile is loaded once for all rows):
@@ -81,13 +99,14 @@ def mla_attention_ref(
 
 @_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_os", "stride_ls", "stride_bt"))
 def _mla_attention_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, lse_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2e, num_seqs, num_heads, min_q_len, max_q_len,
+    q_lat_ptr, q_pe_ptr, cache_ptr, scale_ptr, out_ptr, lse_ptr, block_tables_ptr, query_start_loc_ptr,
+    seq_lens_ptr, scale_log2e, num_seqs, num_heads, min_q_len, max_q_len,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    stride_cb, stride_ct, stride_bt,
+    stride_cb, stride_ct, stride_sb, stride_st, stride_bt,
     KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    WRITE_LSE: tl.constexpr, CONTEXT_ONLY: tl.constexpr, PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr, CONTEXT_ONLY: tl.constexpr, PRECISION: tl.constexpr, KV_SCALED: tl.constexpr,
+    KV_LIMIT: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -147,8 +166,17 @@ def _mla_attention_kernel(
         c_t = tl.load(cache_ptr + base[None, :] + r_dims[:, None], mask=k_valid[None, :] & r_ok[:, None], other=0.0)
         pe_t = tl.load(cache_ptr + base[None, :] + KV_RANK + p_dims[:, None], mask=k_valid[None, :] & p_ok[:, None],
                        other=0.0)
-        s = tl.dot(q_lat, c_t, input_precision=PRECISION) + tl.dot(q_pe, pe_t, input_precision=PRECISION)
-        s = s * scale_log2e  # [BLOCK_M, TILE_N], log2 units
+        if KV_SCALED:
+            c_t = c_t.to(q_lat.dtype)
+            pe_t = pe_t.to(q_pe.dtype)
+            s_off = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_st
+            c_s = tl.load(scale_ptr + s_off, mask=k_valid, other=0.0)
+            pe_s = tl.load(scale_ptr + s_off + 1, mask=k_valid, other=0.0)
+            s = (tl.dot(q_lat, c_t, input_precision=PRECISION) * (c_s * scale_log2e)[None, :]
+                 + tl.dot(q_pe, pe_t, input_precision=PRECISION) * (pe_s * scale_log2e)[None, :])
+        else:
+            s = tl.dot(q_lat, c_t, input_precision=PRECISION) + tl.dot(q_pe, pe_t, input_precision=PRECISION)
+            s = s * scale_log2e  # [BLOCK_M, TILE_N], log2 units
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -158,10 +186,15 @@ def _mla_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_SCALED:
+            p = p * (c_s * KV_LIMIT)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(c_t.dtype), tl.trans(c_t), input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        out = acc / (tl.where(l_i > 0, l_i, 1.0) * KV_LIMIT)[:, None]
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = split.to(tl.int64) * stride_os + tok * stride_ot + head * stride_oh
     tl.store(out_ptr + o_off[:, None] + r_dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_valid[:, None] & r_ok[None, :])
@@ -178,7 +211,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
-                  out, name="mla_attention"):
+                  out, latent_scale=None, name="mla_attention") -> bool:
+    """Whether the latent cache is 8-bit, for valid inputs."""
     def fail(msg):
         raise ValueError(f"{name}: {msg}")
 
@@ -191,11 +225,19 @@ def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, s
         fail(f"R must lie in [16, 1024] and P in [1, 256], got R={rank}, P={rope}")
     if q_latent.dtype not in _DTYPES:
         fail(f"q_latent dtype {q_latent.dtype} is not one of {_DTYPES}")
-    check_like(fail, "q_latent", q_latent, (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out)))
+    quantized = check_latent_scale(fail, latent_cache, latent_scale)
+    # An 8-bit cache is read with the query's dtype; any other cache must have it.
+    check_like(fail, "q_latent", q_latent, (("q_pe", q_pe), ("out", out)) if quantized
+               else (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out)))
+    if quantized:
+        check_like(fail, "latent_cache", latent_cache, ())
+        if latent_cache.device != q_latent.device:
+            fail(f"latent_cache is on {latent_cache.device}, q_latent on {q_latent.device}")
     if out is not None and out.shape != q_latent.shape:
         fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
     check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables,
                          query_start_loc, seq_lens, max_query_len, max_seq_len)
+    return quantized
 
 
 def mla_attention(
@@ -213,6 +255,7 @@ def mla_attention(
     num_kv_splits: int | None = None,
     max_q_len: int | None = None,
     context_lse: torch.Tensor | None = None,
+    latent_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`mla_attention_ref` (same semantics; module docstring).
 
@@ -224,11 +267,12 @@ def mla_attention(
     ``max_q_len``: sequences with more query rows are skipped and their rows not written (the
     expanded MLA prefill computes them); ``max_seq_len`` may then be the maximum of the others.
     ``context_lse`` (contiguous float32 ``[T, H]``): the context-only mode of the module docstring;
-    rows of sequences with ``q_len < 2`` are then not written."""
+    rows of sequences with ``q_len < 2`` are then not written. ``latent_scale``: an 8-bit cache's
+    per-token scales (module docstring), None for a cache in the query's dtype."""
     if triton is None:
         raise RuntimeError("mla_attention: Triton is not installed; use mla_attention_ref")
     _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
-                  out)
+                  out, latent_scale)
     if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
         raise ValueError(f"mla_attention: num_kv_splits={num_kv_splits} must be None or >= 1, and > 1 only "
                          f"with max_query_len <= 1 (got {max_query_len})")
@@ -255,7 +299,7 @@ def mla_attention(
         if max_query_len >= 2:
             big_m = max(16, block_h, min(32 if rank >= 256 else 64, triton.next_power_of_2(max_query_len * block_h)))
             _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, context_lse,
-                    block_h, big_m, 2, _INT32_MAX, 1, context_only=True)
+                    block_h, big_m, 2, _INT32_MAX, 1, context_only=True, latent_scale=latent_scale)
         return out
     if num_kv_splits is None:
         num_kv_splits = 1
@@ -270,12 +314,12 @@ def mla_attention(
         # (172 vs 260 us in the measurement above; kernels/mla_decode_swap_ab.py).
         from deepbatch.kernels.mla_decode_swap_ab import mla_decode_swap_ab
 
-        return mla_decode_swap_ab(*args, max_seq_len, out)
+        return mla_decode_swap_ab(*args, max_seq_len, out, latent_scale=latent_scale)
 
     if num_kv_splits > 1:
         partial = torch.empty(num_kv_splits, *q_latent.shape, dtype=torch.float32, device=q_latent.device)
         lse = torch.empty(num_kv_splits, num_tokens, num_heads, dtype=torch.float32, device=q_latent.device)
-        _launch(*args, partial, lse, block_h, 16, 0, q_len_cap, num_kv_splits)
+        _launch(*args, partial, lse, block_h, 16, 0, q_len_cap, num_kv_splits, latent_scale=latent_scale)
         # out = sum_s w_s * partial_s / sum_s w_s, with w_s = 2^(lse_s - max lse): [S, T, H]
         weights = torch.exp2(lse - lse.amax(0, keepdim=True))
         merged = (partial * weights.unsqueeze(-1)).sum(0) / weights.sum(0).unsqueeze(-1)
@@ -291,16 +335,16 @@ def mla_attention(
     if longest > small_q:
         big_m = max(small_m, min(32 if rank >= 256 else 64, triton.next_power_of_2(longest * block_h)))
     if big_m == small_m:
-        _launch(*args, out, None, block_h, small_m, 0, q_len_cap, 1)
+        _launch(*args, out, None, block_h, small_m, 0, q_len_cap, 1, latent_scale=latent_scale)
     else:
-        _launch(*args, out, None, block_h, small_m, 0, small_q, 1)
-        _launch(*args, out, None, block_h, big_m, small_q + 1, q_len_cap, 1)
+        _launch(*args, out, None, block_h, small_m, 0, small_q, 1, latent_scale=latent_scale)
+        _launch(*args, out, None, block_h, big_m, small_q + 1, q_len_cap, 1, latent_scale=latent_scale)
     return out
 
 
 def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, out, lse,
             block_h, block_m, min_q_len, max_q_len, num_splits, tile_n=None, num_warps=None, num_stages=None,
-            context_only=False):
+            context_only=False, latent_scale=None):
     """One launch over sequences whose q_len lies in ``[min_q_len, max_q_len]``. ``out`` is
     ``[T, H, R]``, or with ``num_splits > 1`` the float32 ``[S, T, H, R]`` partials beside ``lse``;
     ``context_only``: keys before each sequence's new tokens only, with ``lse [T, H]``.
@@ -322,15 +366,18 @@ def _launch(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_len
         tiles = (64, 4, 3)
     else:
         tiles = (32 if block_r >= 256 else 64, 8 if block_r * block_m >= 8192 else 4, 2)
+    scaled = latent_scale is not None
     _mla_attention_kernel[grid](
-        q_latent, q_pe, latent_cache, out, lse if lse is not None else out, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs, num_heads, min_q_len, max_q_len,
+        q_latent, q_pe, latent_cache, latent_scale if scaled else latent_cache, out, lse if lse is not None else out,
+        block_tables, query_start_loc, seq_lens, scale * _LOG2E, num_seqs, num_heads, min_q_len, max_q_len,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         o_strides[0], o_strides[1], o_strides[2], l_strides[0], l_strides[1],
-        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+        latent_cache.stride(0), latent_cache.stride(1), latent_scale.stride(0) if scaled else 0,
+        latent_scale.stride(1) if scaled else 0, block_tables.stride(0),
         KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, BLOCK_Q=block_q,
         TILE_N=tile_n or tiles[0], WRITE_LSE=split or context_only, CONTEXT_ONLY=context_only,
-        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", KV_SCALED=scaled,
+        KV_LIMIT=quant_limit(latent_cache.dtype) if scaled else 1.0,
         num_warps=num_warps or tiles[1], num_stages=num_stages or tiles[2],
     )

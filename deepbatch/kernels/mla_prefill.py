@@ -9,7 +9,8 @@ A chunk of ``q_len`` new tokens behind ``context_len`` cached ones splits its ke
            (context only) with lse    | decompressed by one kv_b_proj GEMM over the step's tokens
 
 The new tokens' keys and values come from tensors the layer already holds (this step's
-``kv_b_proj`` output and rotary key), so the kernel needs no gather and no host-side lengths: its
+``kv_b_proj`` output and rotary key; with an 8-bit latent cache, of the step's latents as the
+cache holds them, see ``layers/mla.py``), so the kernel needs no gather and no host-side lengths: its
 grid comes from shapes alone, and steps with chunks stay capturable in a CUDA graph. Per key and
 head it does ``Dn + P + Dv`` multiply-adds (320 for DeepSeek-V2/V3) against ``2R + P`` (1,088) in
 the latent space, and its tiles are ordinary flash-attention tiles: ``BLOCK_M`` query tokens of

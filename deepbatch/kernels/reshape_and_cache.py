@@ -5,13 +5,18 @@ Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s`` i
 and is skipped. An fp8 cache stores ``x / scale`` with the layer's float K and V scales; an int8
 cache stores each (token, head) vector with its own scale, written to ``k_scale``/``v_scale``
 ``[num_blocks, block_size, num_kv_heads]`` at the same slot (``kernels/kv_quant.py``).
+
+Its MLA twin, :func:`mla_reshape_and_cache`, writes a token's ``c_kv`` and ``k_pe`` side by side
+into the latent cache ``[num_blocks, block_size, 1, R + P]``; an 8-bit latent cache gets one
+scale per token for each part, in ``latent_scale [num_blocks, block_size, 2]``.
 """
 
 from __future__ import annotations
 
 import torch
 from deepbatch.kernels.common import jit as _jit, tl, triton
-from deepbatch.kernels.kv_quant import check_kv_scales, fp8_max, quantize_fp8_ref, quantize_int8, quantize_int8_ref
+from deepbatch.kernels.kv_quant import (check_kv_scales, check_latent_scale, fp8_max, quantize_fp8_per_token,
+                                       quantize_fp8_ref, quantize_int8, quantize_int8_ref, quantize_latent_ref)
 
 
 def reshape_and_cache_ref(
@@ -144,4 +149,111 @@ def reshape_and_cache(
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], KV_QUANT=mode, FP8_MAX=fp8_max(k_cache.dtype) if mode == 1 else 0.0,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
+    )
+
+
+# -- the MLA latent cache ---------------------------------------------------------------------
+
+
+def _mla_fail(msg: str) -> None:
+    raise ValueError(f"mla_reshape_and_cache: {msg}")
+
+
+def mla_reshape_and_cache_ref(
+    c_kv: torch.Tensor,  # [T, R]
+    k_pe: torch.Tensor,  # [T, P]
+    latent_cache: torch.Tensor,  # [N, bs, 1, R+P]
+    slot_mapping: torch.Tensor,  # [T] int
+    latent_scale: torch.Tensor | None = None,  # 8-bit caches: [N, bs, 2] float32 (written)
+) -> None:
+    quantized = check_latent_scale(_mla_fail, latent_cache, latent_scale)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    bs = latent_cache.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    if quantized:
+        latent, scale = quantize_latent_ref(c_kv[valid], k_pe[valid], latent_cache.dtype)
+        latent_scale[blocks, offsets] = scale
+    else:
+        latent = torch.cat((c_kv[valid], k_pe[valid]), -1)
+    latent_cache[blocks, offsets, 0] = latent.to(latent_cache.dtype)
+
+
+@_jit
+def _mla_reshape_and_cache_kernel(
+    c_kv_ptr, k_pe_ptr, cache_ptr, scale_ptr, slot_mapping_ptr,
+    stride_ct, stride_pt, stride_cb, stride_cs, stride_sb, stride_ss,
+    KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """One token. ``KV_QUANT``: 0 stores the cache's dtype, 1 fp8 and 2 int8 with per-token scales."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    # One-row tiles, so that the per-row quantizers of kv_quant apply as they are.
+    r = tl.arange(0, BLOCK_R)[None, :]
+    p = tl.arange(0, BLOCK_P)[None, :]
+    r_ok = r < KV_RANK
+    p_ok = p < ROPE_DIM
+    t = token.to(tl.int64)
+    # Masked lanes load 0 so that they never raise an absmax.
+    c = tl.load(c_kv_ptr + t * stride_ct + r, mask=r_ok, other=0.0).to(tl.float32)
+    pe = tl.load(k_pe_ptr + t * stride_pt + p, mask=p_ok, other=0.0).to(tl.float32)
+    dst = cache_ptr + block * stride_cb + offset * stride_cs
+    if KV_QUANT != 0:
+        if KV_QUANT == 2:
+            c, c_s = quantize_int8(c)
+            pe, pe_s = quantize_int8(pe)
+        else:
+            c, c_s = quantize_fp8_per_token(c, FP8_MAX)
+            pe, pe_s = quantize_fp8_per_token(pe, FP8_MAX)
+        two = tl.arange(0, 2)
+        tl.store(scale_ptr + block * stride_sb + offset * stride_ss + two, tl.where(two == 0, c_s, pe_s))
+    tl.store(dst + r, c.to(cache_ptr.dtype.element_ty), mask=r_ok)
+    tl.store(dst + KV_RANK + p, pe.to(cache_ptr.dtype.element_ty), mask=p_ok)
+
+
+def mla_reshape_and_cache(
+    c_kv: torch.Tensor,  # [T, R]
+    k_pe: torch.Tensor,  # [T, P]
+    latent_cache: torch.Tensor,  # [N, bs, 1, R+P]
+    slot_mapping: torch.Tensor,  # [T] int32/int64
+    latent_scale: torch.Tensor | None = None,  # 8-bit caches: [N, bs, 2] float32 (written)
+) -> None:
+    """Triton version of :func:`mla_reshape_and_cache_ref`. ``c_kv``/``k_pe`` may be strided
+    views (slices of the latent projection); every tensor needs a contiguous last dimension."""
+    if triton is None:
+        raise RuntimeError("mla_reshape_and_cache: Triton is not installed; use mla_reshape_and_cache_ref")
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != c_kv.shape[0]:
+        _mla_fail(f"c_kv and k_pe must be [T, R] and [T, P], got {tuple(c_kv.shape)} and {tuple(k_pe.shape)}")
+    num_tokens, rank = c_kv.shape
+    rope = k_pe.shape[1]
+    if latent_cache.dim() != 4 or tuple(latent_cache.shape[2:]) != (1, rank + rope):
+        _mla_fail(f"latent_cache must be [num_blocks, block_size, 1, R+P={rank + rope}], got {tuple(latent_cache.shape)}")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        _mla_fail(f"slot_mapping must be int32/int64 [{num_tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for name, t in (("c_kv", c_kv), ("k_pe", k_pe), ("latent_cache", latent_cache), ("slot_mapping", slot_mapping)):
+        allowed = _FLOAT_DTYPES if name in ("c_kv", "k_pe") else _CACHE_DTYPES if name == "latent_cache" else None
+        if allowed is not None and t.dtype not in allowed:
+            _mla_fail(f"{name} dtype {t.dtype} is not one of {allowed}")
+        if t.stride(-1) != 1:
+            _mla_fail(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+        if t.device != c_kv.device:
+            _mla_fail(f"{name} is on {t.device}, c_kv on {c_kv.device}")
+    if k_pe.dtype != c_kv.dtype:
+        _mla_fail("c_kv and k_pe must share a dtype")
+    quantized = check_latent_scale(_mla_fail, latent_cache, latent_scale)
+    if num_tokens == 0:
+        return
+    mode = 0 if not quantized else 2 if latent_cache.dtype == torch.int8 else 1
+    scale = latent_scale if quantized else latent_cache  # never read unquantized
+    _mla_reshape_and_cache_kernel[(num_tokens,)](
+        c_kv, k_pe, latent_cache, scale, slot_mapping.contiguous(),
+        c_kv.stride(0), k_pe.stride(0), latent_cache.stride(0), latent_cache.stride(1),
+        scale.stride(0) if quantized else 0, scale.stride(1) if quantized else 0,
+        KV_RANK=rank, ROPE_DIM=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_P=triton.next_power_of_2(rope),
+        BLOCK_SIZE=latent_cache.shape[1], KV_QUANT=mode, FP8_MAX=fp8_max(latent_cache.dtype) if mode == 1 else 0.0,
+        num_warps=4 if rank >= 256 else 1,
     )

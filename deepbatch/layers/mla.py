@@ -31,6 +31,12 @@ instead, where the absorbed form costs ``(2R + P) / (Dn + P + Dv)`` times the ex
   gathered and no length is read on the host, so such steps replay CUDA graphs like any other.
   Decodes stay absorbed, and so does cached context (prefix hits, earlier chunks).
 
+With ``kv_cache_dtype`` fp8 or int8 the latent cache is 8-bit, with one float32 scale per token
+for ``c_kv`` and one for ``k_pe`` beside it (``kernels/kv_quant.py``); the write quantizes and the
+absorbed kernels dequantize in registers. The expanded path takes this step's own ``c_kv`` and
+``k_pe`` back from the cache too (dequantized, only the step's tokens), so every key and value any
+path attends to is the cached one, and where a prompt is cut into chunks changes nothing.
+
 Under tensor parallelism the heads are split (``q_proj``/``q_b_proj`` and ``kv_b_proj``
 column-parallel, ``o_proj`` row-parallel); the latent is shared by all heads, so
 ``kv_a_proj_with_mqa`` and the latent cache are replicated on every rank.
@@ -44,8 +50,15 @@ import torch
 from torch import nn
 
 from deepbatch.distributed.parallel_state import current_tp_group
+from deepbatch.kernels.kv_quant import (
+    MLA_SCALES_PER_TOKEN,
+    SCALE_DTYPE,
+    dequantize_latent_ref,
+    quant_mode,
+)
 from deepbatch.kernels.mla_decode import mla_attention_ref
 from deepbatch.kernels.mla_prefill import mla_prefill_ref
+from deepbatch.kernels.reshape_and_cache import mla_reshape_and_cache_ref
 from deepbatch.layers.attention import AttentionBackend
 from deepbatch.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from deepbatch.layers.norm import RMSNorm
@@ -126,15 +139,21 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias=bias)
         self.scale = mla_softmax_scale(config)
         self.latent_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, R + P]
+        self.latent_scale: torch.Tensor | None = None  # 8-bit caches: [num_blocks, block_size, 2] float32
         self.backend: AttentionBackend = AttentionBackend()
         self.prefill_mode = "absorbed"  # or "expanded" (module docstring); set by the runner
 
-    def cache_shapes(self) -> list[tuple[int, ...]]:
-        """One paged tensor of ``[c_kv | k_pe]`` per token (see ``PagedAttention.cache_shapes``)."""
-        return [(1, self.kv_lora_rank + self.qk_rope_head_dim)]
+    def cache_specs(self, cache_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """``(per-token shape, dtype)`` of each paged tensor for a latent stored as
+        ``cache_dtype``: the latent, then for fp8 and int8 its two per-token scales."""
+        specs = [((1, self.kv_lora_rank + self.qk_rope_head_dim), cache_dtype)]
+        if quant_mode(cache_dtype) != 0:
+            specs.append(((MLA_SCALES_PER_TOKEN,), SCALE_DTYPE))
+        return specs
 
     def bind(self, caches: list[torch.Tensor | None], backend: AttentionBackend) -> None:
-        (self.latent_cache,) = caches
+        self.latent_cache, *scale = caches
+        self.latent_scale = scale[0] if scale else None
         self.backend = backend
 
     def process_weights_after_loading(self) -> None:
@@ -159,12 +178,15 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = rope(q_pe, k_pe.unsqueeze(1))  # [T, H, P], [T, 1, P]
-        latent = torch.cat((c_kv.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]
-        # The latent is the key and the value of one KV head: the shared write path stores it
-        # twice into the same slot, which is idempotent and keeps one write kernel.
-        self.backend.write_kv(latent, latent, self.latent_cache, self.latent_cache, batch.slot_mapping)
+        k_pe = k_pe[:, 0]
+        if self.backend.name == "triton":
+            from deepbatch.kernels.reshape_and_cache import mla_reshape_and_cache
 
-        o = self._attend(q_nope, q_pe, c_kv, k_pe[:, 0], batch)
+            mla_reshape_and_cache(c_kv, k_pe, self.latent_cache, batch.slot_mapping, self.latent_scale)
+        else:
+            mla_reshape_and_cache_ref(c_kv, k_pe, self.latent_cache, batch.slot_mapping, self.latent_scale)
+
+        o = self._attend(q_nope, q_pe, c_kv, k_pe, batch)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
     def _attend(self, q_nope, q_pe, c_kv, k_pe, batch: ForwardBatch) -> torch.Tensor:
@@ -185,6 +207,8 @@ class MultiHeadLatentAttention(nn.Module):
             self._latent_attention(q_latent, q_pe, batch, out=o_latent, context_lse=lse)
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [H, T, R] @ [H, R, Dv]
         if expanded:
+            if self.latent_scale is not None:
+                c_kv, k_pe = self._step_latents_as_cached(batch.slot_mapping, c_kv.dtype)
             kv = self.kv_b_proj(c_kv).view(T, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
             k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             if self.backend.name == "triton":
@@ -196,11 +220,24 @@ class MultiHeadLatentAttention(nn.Module):
                 mla_prefill_ref(q_nope, q_pe, k_nope, k_pe, v, batch.query_start_loc, self.scale, o, lse)
         return o
 
+    def _step_latents_as_cached(self, slot_mapping: torch.Tensor, dtype: torch.dtype):
+        """This step's ``c_kv [T, R]`` and ``k_pe [T, P]`` read back from an 8-bit cache and
+        dequantized: the values the absorbed path and later steps read for these tokens."""
+        bs = self.latent_cache.shape[1]
+        # Padding tokens (slot -1) read slot 0: finite values, in rows nothing reads.
+        slots = slot_mapping.clamp(min=0)
+        blocks, offsets = slots // bs, slots % bs
+        latent = dequantize_latent_ref(self.latent_cache[blocks, offsets, 0], self.latent_scale[blocks, offsets],
+                                       self.kv_lora_rank, dtype)
+        return latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+
     def _latent_attention(self, q_latent, q_pe, batch: ForwardBatch, **kwargs) -> torch.Tensor:
         """``[T, H, R]``: absorbed attention over the latent cache (``kwargs``: ``out``,
         ``max_q_len``, ``context_lse`` of :func:`~deepbatch.kernels.mla_decode.mla_attention`)."""
         args = (q_latent, q_pe, self.latent_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                 self.scale)
+        if self.latent_scale is not None:
+            kwargs["latent_scale"] = self.latent_scale
         if self.backend.name == "triton":
             from deepbatch.kernels.mla_decode import mla_attention
 

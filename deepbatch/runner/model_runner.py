@@ -2,11 +2,11 @@
 
 The runner owns the KV cache tensors and binds them to the attention layers. Each layer says
 what it needs through ``cache_specs(cache_dtype)`` (K and V of ``[num_kv_heads, head_dim]`` per
-token for standard attention, plus their per-token scales for an int8 cache) or, storing only the
-model dtype, ``cache_shapes()`` (one latent vector for MLA); the runner allocates
-``[num_blocks, block_size, *shape]`` for each, so every layer shares the one block pool. The
-cache's dtype (``CacheConfig.kv_cache_dtype``) is the runner's choice, not the model's.
-It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
+token for standard attention, plus their per-token scales for an int8 cache; one latent vector
+for MLA, plus its two per-token scales for an fp8 or int8 cache) or, storing only the model dtype,
+``cache_shapes()``; the runner allocates ``[num_blocks, block_size, *shape]`` for each, so every
+layer shares the one block pool. The cache's dtype (``CacheConfig.kv_cache_dtype``) is the
+runner's choice, not the model's. It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
 into the config. With a swap space it also owns the host KV pool (``runner/kv_swap.py``) and
 performs the step's swap copies before the forward.
 """
@@ -71,8 +71,7 @@ class ModelRunner:
             return layer.cache_specs(self.kv_cache_dtype)
         if self.kv_cache_dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {type(layer).__name__} keeps its "
-                             f"cache in the model dtype only (8-bit MLA latent caches are not supported yet); "
-                             f"use kv_cache_dtype='auto'")
+                             f"cache in the model dtype only; use kv_cache_dtype='auto'")
         return [(shape, self.dtype) for shape in layer.cache_shapes()]
 
     def kv_bytes_per_block(self) -> int:
@@ -91,8 +90,11 @@ class ModelRunner:
         name = self.config.cache.kv_cache_dtype
         per_token = self.kv_bytes_per_block() / self.block_size
         mode = quant_mode(self.kv_cache_dtype)
-        scales = ("" if mode == 0 else ", per-layer K/V scales" if mode == 1
-                  else ", float32 scale per token and KV head")
+        if mode and any(isinstance(a, MultiHeadLatentAttention) for a in self.attn_layers):
+            scales = ", float32 scales per token for c_kv and k_pe"
+        else:
+            scales = ("" if mode == 0 else ", per-layer K/V scales" if mode == 1
+                      else ", float32 scale per token and KV head")
         return f"kv_cache_dtype {name} ({str(self.kv_cache_dtype).removeprefix('torch.')}{scales}), " \
                f"{per_token / 1024:.2f} KiB per token"
 

@@ -116,7 +116,7 @@ def test_module_imports_without_triton():
 
 # Compiles the kernel for an H200 (sm_90) at DeepSeek-V2-Lite's shapes with the wrapper's default
 # launch settings, with the argument specializations a launch would get (pointers and strides
-# divisible by 16). Run in a fresh interpreter with the Triton interpreter off: a process that has
+# divisible by 16), for the latent cache type in argv[1] (bf16, or an 8-bit one with its scales). Run in a fresh interpreter with the Triton interpreter off: a process that has
 # run kernels under it cannot build for a real target. Exit code 3: no NVIDIA backend here.
 _COMPILE_SM90 = r"""
 import re, sys
@@ -131,9 +131,11 @@ from deepbatch.kernels import mla_decode_swap_ab as m
 
 kernel = m._mla_decode_swap_ab_kernel
 tile_n, warps, stages = m._default_tiles(512, 64, 2, torch.device("cpu"))  # off CUDA: an H200's limits
+cache = sys.argv[1]
 const = dict(KV_RANK=512, ROPE_DIM=64, BLOCK_R=512, BLOCK_P=64, BLOCK_SIZE=16, BLOCK_H=16, TILE_N=tile_n,
-             PRECISION="tf32")
-types = {"scale_log2e": "fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32"}
+             PRECISION="tf32", KV_SCALED=cache != "bf16", KV_LIMIT=448.0 if cache == "fp8e4nv" else 127.0)
+types = {"scale_log2e": "fp32", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+         "cache_ptr": "*" + cache, "scale_ptr": "*bf16" if cache == "bf16" else "*fp32"}
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     sig[name] = "constexpr" if name in const else types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
@@ -147,12 +149,15 @@ print("warpgroup dots", len(re.findall(r"ttng\.warp_group_dot ", ttgir)), "mma.s
 """
 
 
-def test_compiles_to_warpgroup_mma_for_sm90():
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv", "i8"])
+def test_compiles_to_warpgroup_mma_for_sm90(cache):
     """The point of the kernel: at the default settings the output dot (M = R = 512) becomes a
     Hopper warpgroup MMA (the 16-row tile of ``mla_decode`` builds only ``mma.sync``), and their
-    shared memory leaves room for two programs per SM of an H200 (227 KiB)."""
+    shared memory leaves room for two programs per SM of an H200 (227 KiB); an 8-bit latent
+    widened in registers keeps both."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, cache], env=env, cwd=ROOT, capture_output=True,
+                          text=True)
     if proc.returncode == 3:
         pytest.skip("Triton has no NVIDIA backend")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -114,7 +114,9 @@ def test_capacity_counts_the_cache_dtype_and_the_scales(tiny_checkpoints):
     assert {kv: e.num_blocks for kv, e in engines.items()} == {"auto": 32, "fp8": 128, "int8": 102}
 
 
-def test_mla_refuses_an_8bit_cache(tmp_path):
+def test_mla_takes_an_8bit_cache(tmp_path):
+    """The MLA latent cache in 8 bits, with its two per-token scales (c_kv's, k_pe's); greedy
+    parity, prefix hits, swap and the kernels are in test_mla_kv_cache_dtype.py."""
     import sys
     from pathlib import Path
 
@@ -122,8 +124,10 @@ def test_mla_refuses_an_8bit_cache(tmp_path):
     from test_deepseek import build_deepseek_checkpoint
 
     path = build_deepseek_checkpoint("v2", str(tmp_path / "v2"))
-    with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
-        LLM(path, dtype="float32", device="cpu", kv_cache_dtype="int8")
+    for kv, storage in (("int8", torch.int8), ("fp8_e5m2", torch.float8_e5m2)):
+        runner = LLM(path, dtype="float32", device="cpu", kv_cache_dtype=kv).engine.runner
+        assert [(t.dtype, tuple(t.shape[2:])) for t in runner.kv_caches[0]] == [(storage, (1, 32 + 8)),
+                                                                                (torch.float32, (2,))]
 
 
 @pytest.mark.parametrize("bad", ["fp16", "int4", "", None])
