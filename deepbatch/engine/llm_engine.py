@@ -35,6 +35,7 @@ from deepbatch.engine.request import Request, RequestStatus
 from deepbatch.engine.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
+from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
@@ -77,7 +78,8 @@ class LLMEngine:
         self.num_blocks = self.runner.profile_num_blocks()
         swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
-        self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                       sliding_window=kv_sliding_window(self.hf_config))
         preemptor = Preemptor(self.kv_cache)
         if swap is not None:
             num_host_blocks, cost = swap
@@ -194,7 +196,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
                 f"length {self.max_model_len}", code="context_length_exceeded")
-        if n_prompt + max_tokens > self.kv_cache.capacity_tokens:
+        # Under a sliding window a request holds about a window of blocks, however long it is.
+        if (self.kv_cache.blocks_to_fit(n_prompt + max_tokens, self.config.scheduler.max_num_batched_tokens)
+                > self.kv_cache.num_blocks):
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({n_prompt}) + max_tokens ({max_tokens}) can never fit in the KV cache "
                 f"({self.kv_cache.capacity_tokens} tokens)", code="context_length_exceeded")

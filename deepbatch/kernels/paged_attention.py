@@ -10,6 +10,16 @@ last ``q_len`` positions of the sequence::
 
 A decode is ``q_len == 1``; a chunked prefill or a prefix-cache hit is ``q_len < seq_len``.
 
+With a sliding window ``W`` (Mistral, Qwen2's windowed layers) a query at position ``p`` sees
+only keys ``p - W < key <= p`` (transformers' ``sliding_window`` semantics: ``W`` keys, itself
+included). No key before ``first_query - W + 1`` is ever read, so the block-table entries of
+blocks that slid out of the window may name blocks that belong to someone else now, or none
+(``kv_cache/manager.py`` writes ``-1`` there)::
+
+    keys:      0 ...... lo ...................... seq_len-1       lo = seq_len - q_len - W + 1
+    read:               [lo ......................... ]
+    row j:              [p_j - W + 1 ... p_j]                     p_j = seq_len - q_len + j
+
 An 8-bit cache (``kernels/kv_quant.py``) is dequantized where it is read: the references
 dequantize the blocks they gather for one batch; the kernels convert each K/V tile in registers
 and fold the scales into the scores (per-layer fp8 K scale: the softmax scale; per-token int8
@@ -25,28 +35,41 @@ from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _j
 from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, quant_mode
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` cached tokens of one sequence: ``[seq_len, H, D]``."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
+    """Cached tokens ``start .. seq_len-1`` of one sequence: ``[seq_len - start, H, D]``. Block-table
+    entries before ``start``'s block are not read."""
     bs = cache.shape[1]
-    nb = -(-seq_len // bs)
-    return cache[block_table[:nb].long()].flatten(0, 1)[:seq_len]
+    first, nb = start // bs, -(-seq_len // bs)
+    return cache[block_table[first:nb].long()].flatten(0, 1)[start - first * bs : seq_len - first * bs]
 
 
 def gather_dequant(cache: torch.Tensor, kv_scale, block_table: torch.Tensor, seq_len: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, start: int = 0) -> torch.Tensor:
     """:func:`gather_kv` dequantized to ``dtype``; ``kv_scale``: None, a float (fp8) or the int8
     per-token scales ``[N, bs, Hkv]``."""
     if torch.is_tensor(kv_scale):
-        kv_scale = gather_kv(kv_scale, block_table, seq_len)
-    return dequantize_ref(gather_kv(cache, block_table, seq_len), kv_scale, dtype)
+        kv_scale = gather_kv(kv_scale, block_table, seq_len, start)
+    return dequantize_ref(gather_kv(cache, block_table, seq_len, start), kv_scale, dtype)
+
+
+def first_key(seq_len: int, q_len: int, sliding_window: int | None) -> int:
+    """The first key any of a sequence's query rows sees (0 without a window)."""
+    return 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+
+
+def check_sliding_window(fail, sliding_window) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        fail(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+
+
+def _fail(msg):
+    raise ValueError(f"paged_attention: {msg}")
 
 
 def _scales(k_cache, v_cache, k_scale, v_scale):
     """The scales the references pass to :func:`dequantize_ref` (checked like the kernels')."""
-    def fail(msg):
-        raise ValueError(f"paged_attention: {msg}")
-
-    mode, k_float, v_float = check_kv_scales(fail, k_cache, v_cache, k_scale, v_scale)
+    mode, k_float, v_float = check_kv_scales(_fail, k_cache, v_cache, k_scale, v_scale)
     return (None, None) if mode == 0 else (k_float, v_float) if mode == 1 else (k_scale, v_scale)
 
 
@@ -61,8 +84,10 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,  # fp8: float; int8: [N, bs, Hkv] float32
     v_scale: float | torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch reference, one sequence at a time, in float32."""
+    check_sliding_window(_fail, sliding_window)
     k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
@@ -74,15 +99,19 @@ def paged_attention_ref(
         q_len = qe - qs
         if q_len == 0:
             continue
+        lo = first_key(seq_len, q_len, sliding_window)
         q = query[qs:qe].float().transpose(0, 1)  # [Hq, q_len, D]
-        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, torch.float32).transpose(0, 1)  # [Hkv, L, D]
-        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, torch.float32).transpose(0, 1)
+        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, torch.float32, lo).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, torch.float32, lo).transpose(0, 1)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=0)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        k_pos = torch.arange(lo, seq_len, device=query.device).unsqueeze(0)
         scores = (q @ k.transpose(1, 2)) * scale  # [Hq, q_len, L]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[qs:qe] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
     return out
 
@@ -99,10 +128,13 @@ def paged_attention_torch(
     max_query_len: int | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The CPU backend: the reference's semantics through SDPA. Decode rows (``q_len == 1``) of
     the whole batch go through one padded SDPA call; prefill chunks go one sequence at a time.
-    An 8-bit cache is dequantized to the query's dtype as its blocks are gathered."""
+    An 8-bit cache is dequantized to the query's dtype as its blocks are gathered. With a
+    window, only the keys inside it are gathered."""
+    check_sliding_window(_fail, sliding_window)
     k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
@@ -110,6 +142,9 @@ def paged_attention_torch(
     if num_seqs == 0:
         return out
     if max_query_len == 1 or (max_query_len is None and query.shape[0] == num_seqs):
+        if sliding_window is not None:
+            return _decode_batched_window(query, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale,
+                                          v_scale, sliding_window)
         return _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -118,14 +153,18 @@ def paged_attention_torch(
         q_len = qe - qs
         if q_len == 0:
             continue
+        lo = first_key(seq_len, q_len, sliding_window)
         q = query[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, query.dtype).transpose(0, 1).unsqueeze(0)
-        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, query.dtype).transpose(0, 1).unsqueeze(0)
-        if q_len == seq_len:
+        k = gather_dequant(k_cache, k_scale, block_tables[i], seq_len, query.dtype, lo).transpose(0, 1).unsqueeze(0)
+        v = gather_dequant(v_cache, v_scale, block_tables[i], seq_len, query.dtype, lo).transpose(0, 1).unsqueeze(0)
+        if q_len == seq_len and sliding_window is None:
             mask, causal = None, q_len > 1
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-            mask, causal = torch.arange(seq_len, device=query.device).unsqueeze(0) <= q_pos, False
+            k_pos = torch.arange(lo, seq_len, device=query.device).unsqueeze(0)
+            mask, causal = k_pos <= q_pos, False
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         out[qs:qe] = o[0].transpose(0, 1)
     return out
@@ -151,6 +190,33 @@ def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out,
     return out
 
 
+def _decode_batched_window(query, k_cache, v_cache, block_tables, seq_lens, scale, out, k_scale, v_scale, window):
+    """:func:`_decode_batched` over each sequence's last ``window`` keys only, gathered by token
+    (``[B, min(max_len, window)]``), so no block that slid out of a window is indexed."""
+    bs = k_cache.shape[1]
+    width = min(int(seq_lens.max()), window)
+    lens = seq_lens.long()
+    lo = (lens - window).clamp(min=0)  # [B]
+    offs = torch.arange(width, device=query.device)
+    valid = offs.unsqueeze(0) < (lens - lo).unsqueeze(1)  # [B, L]
+    # Rows past a sequence's end re-read its last key (masked): every index stays in its table.
+    pos = torch.minimum(lo.unsqueeze(1) + offs, (lens - 1).clamp(min=0).unsqueeze(1))
+    blocks = block_tables.gather(1, pos // bs).long()
+    slots = pos % bs
+
+    def gather(cache, kv_scale):  # [B, Hkv, L, D] in the query's dtype
+        if torch.is_tensor(kv_scale):
+            kv_scale = kv_scale[blocks, slots]
+        return dequantize_ref(cache[blocks, slots], kv_scale, query.dtype).transpose(1, 2)
+
+    k = gather(k_cache, k_scale)
+    v = gather(v_cache, v_scale)
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    out.copy_(o.squeeze(2))
+    return out
+
+
 
 # Every program of the kernels below handles one KV head and the ``G = Hq // Hkv`` query heads that
 # share it, packed as rows of one tile so that each K/V tile is loaded once for the whole group:
@@ -164,12 +230,14 @@ def _decode_batched(query, k_cache, v_cache, block_tables, seq_lens, scale, out,
 def _attend_kv_range(
     q, q_pos, m_i, l_i, acc,
     k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head, kv_start, kv_end, scale_log2e,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh,
+    window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, KV_QUANT: tl.constexpr,
+    MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Online-softmax update of ``(m_i, l_i, acc)`` with keys ``kv_start .. kv_end-1``; row ``r``
-    sees key ``n`` iff ``n <= q_pos[r]``. ``m_i`` is in log2 units (scores scaled by log2 e).
+    sees key ``n`` iff ``n <= q_pos[r]`` (and, ``SLIDING``, ``n > q_pos[r] - window``). ``m_i`` is
+    in log2 units (scores scaled by log2 e). ``kv_start`` need not be tile-aligned: tiles are
+    ``TILE_N`` keys from it, and no key outside ``[kv_start, kv_end)`` is read.
     ``MASKED=False`` promises whole tiles that every row sees, and skips all masking.
     ``KV_QUANT`` (``kernels/kv_quant.py``): 8-bit tiles are widened to the query's dtype, which
     holds every int8 and fp8 value exactly; mode 2 scales score columns by the keys' scales and
@@ -208,6 +276,8 @@ def _attend_kv_range(
             s = s * scale_log2e
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            if SLIDING:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; subtracting 0 avoids inf - inf.
@@ -249,12 +319,12 @@ def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constex
 @_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_bt"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, scale_log2e, out_scale, num_seqs, min_q_len, max_q_len,
+    seq_lens_ptr, scale_log2e, out_scale, num_seqs, min_q_len, max_q_len, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr,
+    KV_QUANT: tl.constexpr, SLIDING: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -280,21 +350,39 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Keys  [0, full_end)       whole tiles every row of this tile sees: no masks
-    #       [full_end, kv_end)   the causal diagonal and the ragged end
-    # Keys past the tile's last query are invisible to all of its rows.
-    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    full_end = (context_len + q_block * BLOCK_Q + 1) // TILE_N * TILE_N
+    # The tile's rows are queries q_first .. kv_end-1. With a window W:
+    #
+    #   [kv_lo, full_start)     keys the first rows see and the last ones no longer do: masked
+    #   [full_start, full_end)  whole tiles every row sees: no masks
+    #   [full_end, kv_end)      the causal diagonal and the ragged end: masked
+    #
+    #   kv_lo = q_first - W + 1 (the first row's oldest key), full_start = kv_end - W (the last
+    #   row's); without a window both are 0. Keys before kv_lo are never read, and keys past the
+    #   tile's last query are invisible to all of its rows.
+    q_first = context_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(seq_len, q_first + BLOCK_Q)
+    kv_lo = 0
+    full_start = 0
+    if SLIDING:
+        kv_lo = tl.maximum(q_first - window + 1, 0)
+        full_start = tl.maximum(kv_end - window, kv_lo)
+    full_end = full_start + tl.maximum(q_first + 1 - full_start, 0) // TILE_N * TILE_N
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if SLIDING:
+        m_i, l_i, acc = _attend_kv_range(
+            q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
+            kv_lo, full_start, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
+        )
     m_i, l_i, acc = _attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-        0, full_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT,
+        full_start, full_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT, SLIDING,
     )
     m_i, l_i, acc = _attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-        full_end, kv_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT,
+        full_end, kv_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
     )
     # l_i == 0 only for a sequence with no keys (seq_len 0): the reference gives zeros there.
     if KV_QUANT == 1:  # an fp8 cache's per-layer V scale
@@ -383,6 +471,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     k_scale: float | torch.Tensor | None = None,  # fp8: float; int8: [N, bs, Hkv] float32
     v_scale: float | torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_ref` (same semantics; module docstring).
 
@@ -392,9 +481,12 @@ def paged_attention(
     by heuristic; ``1`` forces the one-pass kernel; ``> 1`` forces the split-KV decode path (only
     for ``max_query_len <= 1``). Rows past ``query_start_loc[-1]`` (CUDA-graph padding) are not
     written. head_dim must be a power of two in [16, 256]; any block_size works. An fp8 or int8
-    cache takes its scales in ``k_scale``/``v_scale`` (``kernels/kv_quant.py``)."""
+    cache takes its scales in ``k_scale``/``v_scale`` (``kernels/kv_quant.py``). A layer's
+    ``sliding_window`` is a constant of its kernel launches: it never changes a grid or a shape,
+    so steps keep their CUDA graphs."""
     if triton is None:
         raise RuntimeError("paged_attention: Triton is not installed; use paged_attention_torch")
+    check_sliding_window(_fail, sliding_window)
     kv = KVScaleArgs(_check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len,
                                  max_seq_len, out, k_scale, v_scale), k_scale, v_scale)
     if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
@@ -412,12 +504,15 @@ def paged_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if max_query_len <= 1:
-            num_kv_splits = _choose_kv_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+            # A decode reads at most a window of keys, however long its sequence.
+            num_keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+            num_kv_splits = _choose_kv_splits(num_seqs, num_kv_heads, num_keys, query.device)
     if num_kv_splits > 1:
         from deepbatch.kernels.paged_decode_split_kv import paged_decode_split_kv
 
         return paged_decode_split_kv(
             query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, num_kv_splits, out, kv,
+            sliding_window=sliding_window,
         )
 
     # Decodes and short chunks take a small tile; longer chunks, if any, a second launch with a
@@ -430,10 +525,11 @@ def paged_attention(
         big_m = max(small_m, min(64, triton.next_power_of_2(max_query_len * queries_per_kv)))
     args = (query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
     if big_m == small_m:
-        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=_INT32_MAX, kv=kv)
+        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=_INT32_MAX, kv=kv, sliding_window=sliding_window)
     else:
-        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=small_q, kv=kv)
-        _launch(*args, block_m=big_m, min_q_len=small_q + 1, max_q_len=_INT32_MAX, kv=kv)
+        _launch(*args, block_m=small_m, min_q_len=0, max_q_len=small_q, kv=kv, sliding_window=sliding_window)
+        _launch(*args, block_m=big_m, min_q_len=small_q + 1, max_q_len=_INT32_MAX, kv=kv,
+                sliding_window=sliding_window)
     return out
 
 
@@ -441,7 +537,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
-            block_m, min_q_len, max_q_len, tile_n=None, num_warps=None, num_stages=None, kv: KVScaleArgs = NO_SCALES):
+            block_m, min_q_len, max_q_len, tile_n=None, num_warps=None, num_stages=None, kv: KVScaleArgs = NO_SCALES,
+            sliding_window: int | None = None):
     """One launch of the kernel over sequences whose q_len lies in ``[min_q_len, max_q_len]``."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -464,12 +561,12 @@ def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sc
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, *kv.pointers(k_cache), out, block_tables, query_start_loc, seq_lens,
-        scale * kv.k_factor * _LOG2E, kv.out_scale, num_seqs, min_q_len, max_q_len,
+        scale * kv.k_factor * _LOG2E, kv.out_scale, num_seqs, min_q_len, max_q_len, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_QUANT=kv.mode,
-        num_warps=num_warps, num_stages=num_stages,
+        SLIDING=sliding_window is not None, num_warps=num_warps, num_stages=num_stages,
     )

@@ -8,6 +8,9 @@ its log-sum-exp; a second kernel merges the splits::
     keys:    [ split 0 | split 1 | ... | split S-1 ]      (trailing splits may be empty)
     out   =  sum_s  2^(lse_s - lse) * o_s,   lse = log2 sum_s 2^lse_s
 
+With a sliding window ``W`` the splits cut only the window, keys ``seq_len - W .. seq_len-1``
+(split 0 starts there, not tile-aligned); no key before it is read.
+
 Semantics are those of :func:`deepbatch.kernels.paged_attention.paged_attention_ref` restricted
 to decodes; the public entry is ``paged_attention(..., num_kv_splits=S)``.
 """
@@ -24,11 +27,12 @@ from deepbatch.kernels.paged_attention import _LOG2E, _attend_kv_range, _jit, tl
 def _paged_decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32
-    scale_log2e, out_scale, num_splits,
+    scale_log2e, out_scale, num_splits, window,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_sb, stride_st, stride_sh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -48,24 +52,28 @@ def _paged_decode_split_kernel(
     q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
     q_pos = tl.where(row_valid, seq_len - 1, -1)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
-    kv_start = split * tiles_per_split * TILE_N
+    # The one query sees keys [kv_lo, seq_len): all of them, or its window's.
+    kv_lo = 0
+    if SLIDING:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, TILE_N), num_splits)
+    kv_start = kv_lo + split * tiles_per_split * TILE_N
     kv_end = tl.minimum(seq_len, kv_start + tiles_per_split * TILE_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Split ranges are tile-aligned, so only the sequence's last partial tile needs masks.
-    full_end = tl.maximum(kv_start, tl.minimum(kv_end, seq_len // TILE_N * TILE_N))
+    # Every key of the range is visible, so only the sequence's last partial tile needs masks.
+    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // TILE_N * TILE_N
     m_i, l_i, acc = _attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-        kv_start, full_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT,
+        kv_start, full_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT, SLIDING,
     )
     m_i, l_i, acc = _attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
-        full_end, kv_end, scale_log2e, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT,
+        full_end, kv_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
     )
     # An empty split stores o = 0, lse = -inf: weight 0 in the merge, never NaN.
     has_keys = l_i > 0
@@ -117,10 +125,12 @@ def paged_decode_split_kv(
     num_splits: int,
     out: torch.Tensor,  # [T, Hq, D]
     kv: KVScaleArgs = NO_SCALES,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention with each sequence's keys split over ``num_splits`` programs. Inputs are
-    those that :func:`deepbatch.kernels.paged_attention.paged_attention` has already checked;
-    ``kv`` carries an 8-bit cache's scales as it prepared them."""
+    """Decode attention with each sequence's keys (its last ``sliding_window`` keys, with one)
+    split over ``num_splits`` programs. Inputs are those that
+    :func:`deepbatch.kernels.paged_attention.paged_attention` has already checked; ``kv`` carries
+    an 8-bit cache's scales as it prepared them."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -130,14 +140,14 @@ def paged_decode_split_kv(
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, *kv.pointers(k_cache), block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        scale * kv.k_factor * _LOG2E, kv.out_scale, num_splits,
+        scale * kv.k_factor * _LOG2E, kv.out_scale, num_splits, sliding_window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], QUERIES_PER_KV=queries_per_kv,
         BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)), TILE_N=tile_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", KV_QUANT=kv.mode,
-        num_warps=4, num_stages=2,
+        SLIDING=sliding_window is not None, num_warps=4, num_stages=2,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, query_start_loc, num_splits, out.stride(0), out.stride(1),

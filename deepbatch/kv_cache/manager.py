@@ -8,6 +8,18 @@ A request's blocks cover its tokens in order; token ``i`` lives in slot
                   ^ full blocks are hashed (chained) and may be shared through the prefix cache
 
 ``allocate_slots`` returning None means "no room": the scheduler decides whom to preempt.
+
+With a sliding window ``W`` on every attention layer (``sliding_window``), a step whose first
+new token is at position ``c`` reads no key before ``c - W + 1``, so the blocks wholly before it
+go back to the pool as the sequence grows. Their entries become ``NULL_BLOCK`` and stay in
+place, so block ``i`` still covers tokens ``i*bs ..``; released entries are always a prefix::
+
+    block_ids:   [ -1  | -1  | b9  | b4  | b6 ]        first needed block = (c - W + 1) // bs
+    keys read:                [ c-W+1 ...  c+n-1 ]
+
+A sequence then holds about ``(W + chunk) / bs + 1`` blocks however long it grows. A model that
+mixes windowed and full-attention layers passes no window here: its full layers need every
+block (all layers share one block table).
 """
 
 from __future__ import annotations
@@ -21,6 +33,9 @@ from deepbatch.engine.request import Request
 from deepbatch.kv_cache.block_pool import BlockPool
 
 _ROOT_HASH = 0
+# A ``block_ids`` entry whose block slid out of the window and went back to the pool. Attention
+# never reads it (``kernels/paged_attention.py``); the manager never frees it again.
+NULL_BLOCK = -1
 
 
 @dataclass(frozen=True)
@@ -49,12 +64,18 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         # request_id -> number of the request's leading blocks already published to the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # request_id -> number of its leading entries that are NULL_BLOCK (slid out of the window).
+        self._num_released: dict[str, int] = {}
         # Prefix-cache statistics, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -82,7 +103,7 @@ class KVCacheManager:
         for r in running:
             n = r.num_computed_tokens
             k, rest = divmod(n, bs)
-            full.update(r.block_ids[:k])
+            full.update(r.block_ids[self._num_released.get(r.request_id, 0):k])
             if rest and k < len(r.block_ids):
                 b = r.block_ids[k]
                 partial[b] = max(partial.get(b, 0), rest)
@@ -104,6 +125,35 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """The first block a step that starts at token ``num_computed_tokens`` reads (0 without
+        a window): the earlier ones hold only keys outside every new token's window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """Blocks a request holds while it decodes its ``num_tokens``-th token (a prefill chunk
+        of ``n`` tokens holds up to ``(n - 1) / bs + 1`` more for the step)."""
+        return self.blocks_needed(num_tokens) - self.first_needed_block(max(num_tokens - 1, 0))
+
+    def blocks_to_fit(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once when no step gives it
+        more than ``max_chunk`` tokens: all of them without a window; with one, a step's keys
+        (``window - 1 + chunk`` tokens, starting anywhere in a block)."""
+        whole = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return whole
+        span = self.sliding_window - 1 + min(max_chunk, num_tokens) + self.block_size - 1
+        return min(whole, self.blocks_needed(span))
+
+    def held_block_ids(self, request: Request) -> list[int]:
+        """The request's blocks still in its hands, in order (released ones left out)."""
+        return request.block_ids[self._num_released.get(request.request_id, 0):]
+
+    def num_held_blocks(self, request: Request) -> int:
+        return len(request.block_ids) - self._num_released.get(request.request_id, 0)
 
     # -- hashing -----------------------------------------------------------------------------
 
@@ -150,37 +200,72 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones (and
         after ``computed_blocks``, prefix hits being attached now). Returns the newly allocated
-        block ids, or None, changing nothing, when the pool cannot supply them."""
+        block ids, or None, changing nothing, when the pool cannot supply them.
+
+        With a window, blocks before the first one this step reads are released first (and
+        count as room), hits before it are not attached, and a request that has computed
+        tokens but no blocks (resuming from swap) gets blocks from that first one on only."""
         if not computed_blocks:
             # Fast path (every decode step): the last block still has room.
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(request.block_ids) * self.block_size:
+                self._release_out_of_window(request, self.first_needed_block(request.num_computed_tokens))
                 self._cache_full_blocks(request, end)
                 return []
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        have = len(request.block_ids) + len(computed_blocks)
-        need = self.blocks_needed(num_computed + num_new_tokens) - have
-        # Hit blocks sitting in the free queue stop being free once touched.
-        reclaimed = sum(1 for b in computed_blocks if self.pool.is_free(b))
-        if need > self.pool.num_free_blocks - reclaimed:
+        first = self.first_needed_block(num_computed)
+        have = len(request.block_ids)
+        # Positions [have, have + len(hits)) take the hits, then new blocks up to the end; any
+        # of them before ``first`` stay NULL_BLOCK.
+        skipped_hits = min(max(first - have, 0), len(computed_blocks))
+        hits = computed_blocks[skipped_hits:]
+        new_start = have + len(computed_blocks)
+        skipped_new = max(first - new_start, 0)
+        need = max(self.blocks_needed(num_computed + num_new_tokens) - new_start - skipped_new, 0)
+        # Hit blocks sitting in the free queue stop being free once touched; blocks released
+        # now join it.
+        reclaimed = sum(1 for b in hits if self.pool.is_free(b))
+        released = sum(1 for b in self._out_of_window(request, first) if self.pool.blocks[b].ref_cnt == 1)
+        if need > self.pool.num_free_blocks - reclaimed + released:
             return None
+        self._release_out_of_window(request, first)
         if computed_blocks:
-            self.pool.touch(computed_blocks)
-            request.block_ids.extend(computed_blocks)
+            self.pool.touch(hits)
+            request.block_ids.extend([NULL_BLOCK] * skipped_hits + hits)
             self._num_cached_blocks[request.request_id] = len(request.block_ids)
-        new_blocks = self.pool.allocate(max(need, 0)) or []
-        request.block_ids.extend(new_blocks)
+        new_blocks = self.pool.allocate(need) or []
+        request.block_ids.extend([NULL_BLOCK] * skipped_new + new_blocks)
+        if skipped_hits or skipped_new:
+            self._num_released[request.request_id] = min(first, len(request.block_ids))
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so that its last blocks are evicted first."""
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free(list(reversed(self.held_block_ids(request))))
         request.block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _out_of_window(self, request: Request, first: int) -> list[int]:
+        """The request's held blocks before block ``first``."""
+        start = self._num_released.get(request.request_id, 0)
+        return request.block_ids[start:min(first, len(request.block_ids))]
+
+    def _release_out_of_window(self, request: Request, first: int) -> None:
+        """Give back the request's blocks before block ``first``, which no step from now on
+        reads. A step already launched may still read them: it runs before any later step
+        that could write them (one stream; a tensor-parallel worker runs steps in order)."""
+        blocks = self._out_of_window(request, first)
+        if not blocks:
+            return
+        start = self._num_released.get(request.request_id, 0)
+        self.pool.free(blocks)
+        request.block_ids[start:start + len(blocks)] = [NULL_BLOCK] * len(blocks)
+        self._num_released[request.request_id] = start + len(blocks)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's blocks that will be full once ``num_tokens`` are computed.
@@ -194,6 +279,8 @@ class KVCacheManager:
         self._update_block_hashes(request)
         bs = self.block_size
         for i in range(start, end):
+            if request.block_ids[i] == NULL_BLOCK:
+                continue  # released before it was published (a hit past the window, a swap-in)
             parent = request.block_hashes[i - 1] if i > 0 else _ROOT_HASH
             tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i], parent, tokens)

@@ -7,6 +7,10 @@ dtype is the cache's format (``kernels/kv_quant.py``), never the model's concern
     auto      [K, V]                      in the model dtype
     fp8       [K, V]                      float8, with this layer's float ``k_scale``/``v_scale``
     int8      [K, V, K scales, V scales]  int8, scales [num_blocks, block_size, Hkv] float32
+
+A layer with a ``sliding_window`` (Mistral; Qwen2's windowed layers) carries it itself and hands
+it to every attend call: the runner and the forward batch stay the same for every layer, and the
+window, a constant of the layer's kernel launches, never changes a shape between steps.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ class AttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale=None, v_scale=None,
+               sliding_window: int | None = None) -> torch.Tensor:
         return paged_attention_torch(
             q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
-            max_query_len=batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
+            max_query_len=batch.max_query_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
         )
 
 
@@ -49,10 +54,11 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
         self._write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale=None, v_scale=None,
+               sliding_window: int | None = None) -> torch.Tensor:
         return self._attn(
             q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale,
-            batch.max_query_len, batch.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+            batch.max_query_len, batch.max_seq_len, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
         )
 
 
@@ -65,12 +71,19 @@ def make_backend(name: str) -> AttentionBackend:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """``sliding_window``: a query at position ``p`` sees keys ``p - W < k <= p`` (None: all)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.v_cache: torch.Tensor | None = None
         self.k_scale_cache: torch.Tensor | None = None  # int8 only: [num_blocks, block_size, Hkv]
@@ -126,4 +139,5 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         k_scale, v_scale = self._scales()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, batch.slot_mapping, k_scale, v_scale)
-        return self.backend.attend(q, self.k_cache, self.v_cache, batch, self.scale, k_scale, v_scale)
+        return self.backend.attend(q, self.k_cache, self.v_cache, batch, self.scale, k_scale, v_scale,
+                                   sliding_window=self.sliding_window)

@@ -1,8 +1,12 @@
-"""Llama-family decoder: Llama 2/3 (SmolLM2, DeepSeek-Coder, DeepSeek-LLM), Qwen2
-(DeepSeek-R1-Distill-Qwen, q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoder: Llama 2/3 (SmolLM2, DeepSeek-Coder, DeepSeek-LLM), Mistral (a sliding
+window on every layer), Qwen2 (DeepSeek-R1-Distill-Qwen, q/k/v bias) and Qwen3 (per-head q/k
+RMSNorm); Qwen2/Qwen3 may window some layers (``use_sliding_window``, ``layer_types``).
 
     x -> embed -> [ RMSNorm -> attention(rotary, paged KV) -> +res -> RMSNorm -> gated MLP -> +res ] x L
       -> RMSNorm -> lm_head (only at the rows that are sampled)
+
+Each layer's window comes from ``config_checks.layer_sliding_windows``, which follows
+transformers; fields the file does not implement were refused before it is built.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryAt, RotaryEmbedding
 from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from deepbatch.models.config_checks import layer_sliding_windows
 from deepbatch.runner.forward_batch import ForwardBatch
 
 # An fp8 KV cache's per-layer scales, as vLLM and llm-compressor name them.
@@ -42,7 +47,7 @@ def check_kv_scale(name: str, tensor: torch.Tensor, num_kv_heads: int) -> torch.
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, o_bias: bool, sliding_window: int | None):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -53,12 +58,13 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   sliding_window=sliding_window)
 
     def forward(self, x: torch.Tensor, rope: RotaryAt, batch: ForwardBatch):
         T = x.shape[0]
@@ -75,19 +81,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, o_bias: bool, sliding_window: int | None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, o_bias, sliding_window)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, o_bias: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        windows = layer_sliding_windows(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm, o_bias, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
@@ -96,6 +103,8 @@ class LlamaModel(DecoderStack):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # Whether config.attention_bias gives q/k/v and o_proj biases (Llama, Qwen3; not Qwen2).
+    reads_attention_bias = True
     # checkpoint name fragment -> (our fragment, shard index in the merged weight)
     stacked_params = [
         ("q_proj", "qkv_proj", 0),
@@ -108,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int):
         super().__init__()
         self.config = config
-        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
+        attention_bias = self.reads_attention_bias and bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, self.qkv_bias or attention_bias, self.qk_norm, attention_bias, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -184,8 +193,13 @@ class LlamaForCausalLM(nn.Module):
         }
 
 
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window on every layer (``sliding_window``; None: full attention)."""
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True
+    reads_attention_bias = False
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -16,7 +16,11 @@ has the slots, and (5) the cost model says swapping is cheaper (``preemption_mod
 default; ``"swap"`` skips this test and ``"recompute"`` never swaps). Otherwise it is recomputed.
 
 Either way the request leaves the running set with no device blocks and ``num_computed_tokens ==
-0``; a swapped one's computed count waits here until it is swapped in. Host slots freed by a
+0``; a swapped one's computed count waits here until it is swapped in.
+
+Under a sliding window (``KVCacheManager.sliding_window``) only the blocks its next step reads
+travel: blocks ``first_needed_block(num_computed) .. blocks_needed(num_computed) - 1``, and the
+swap-in gets device blocks for those positions on. Host slots freed by a
 swap-in are returned at the start of the next step, so no swap-out of the same step can overwrite
 a slot before the runner has read it back.
 """
@@ -35,8 +39,9 @@ RECOMPUTE = "recompute"
 
 @dataclass
 class _Swapped:
-    slots: list[int]  # host slot of each of the request's leading blocks, in order
+    slots: list[int]  # host slot of each of the request's blocks from ``first_block`` on, in order
     num_computed_tokens: int
+    first_block: int = 0  # > 0 only under a sliding window
 
 
 class Preemptor:
@@ -71,15 +76,21 @@ class Preemptor:
             self.host_pool.free(self._release)
             self._release = []
 
+    def _blocks_to_save(self, request: Request) -> tuple[int, int]:
+        """``(first, end)``: the block positions holding the KV the request's next step reads."""
+        kv = self.kv_cache
+        return kv.first_needed_block(request.num_computed_tokens), kv.blocks_needed(request.num_computed_tokens)
+
     def choose(self, request: Request) -> str:
         """The mode ``preempt`` would use for this request now."""
         if not self.swap_enabled or self.mode == RECOMPUTE or request.num_computed_tokens == 0:
             return RECOMPUTE
-        num_blocks = self.kv_cache.blocks_needed(request.num_computed_tokens)
+        first, end = self._blocks_to_save(request)
+        num_blocks = end - first
         if num_blocks > self.host_pool.num_free_blocks:
             return RECOMPUTE
         blocks = self.kv_cache.pool.blocks
-        if any(blocks[b].ref_cnt > 1 for b in request.block_ids):
+        if any(blocks[b].ref_cnt > 1 for b in self.kv_cache.held_block_ids(request)):
             return RECOMPUTE
         if self.mode == SWAP:
             return SWAP
@@ -89,10 +100,10 @@ class Preemptor:
         """Take the request's device blocks away; returns the mode used."""
         mode = self.choose(request)
         if mode == SWAP:
-            n = self.kv_cache.blocks_needed(request.num_computed_tokens)
-            slots = self.host_pool.allocate(n)
-            swap_out.extend(zip(request.block_ids[:n], slots))
-            self._swapped[request.request_id] = _Swapped(slots, request.num_computed_tokens)
+            first, end = self._blocks_to_save(request)
+            slots = self.host_pool.allocate(end - first)
+            swap_out.extend(zip(request.block_ids[first:end], slots))
+            self._swapped[request.request_id] = _Swapped(slots, request.num_computed_tokens, first)
         # Freed blocks may be handed to another request in this same step; the runner copies
         # them out before the forward that could overwrite them.
         self.kv_cache.free(request)
@@ -108,9 +119,13 @@ class Preemptor:
     def swap_in(self, request: Request, num_new_tokens: int, swap_in: list[tuple[int, int]]) -> bool:
         rec = self._swapped[request.request_id]
         assert request.num_computed_tokens == 0 and not request.block_ids
-        if self.kv_cache.allocate_slots(request, rec.num_computed_tokens + num_new_tokens) is None:
+        # Allocated as a request that has computed its saved tokens, so that under a window the
+        # blocks before the saved ones are not allocated at all.
+        request.num_computed_tokens = rec.num_computed_tokens
+        if self.kv_cache.allocate_slots(request, num_new_tokens) is None:
+            request.num_computed_tokens = 0
             return False
-        swap_in.extend(zip(rec.slots, request.block_ids[: len(rec.slots)]))
+        swap_in.extend(zip(rec.slots, request.block_ids[rec.first_block:rec.first_block + len(rec.slots)]))
         self._release.extend(rec.slots)
         del self._swapped[request.request_id]
         return True

@@ -299,9 +299,10 @@ class Scheduler:
         return request.num_prompt_tokens + expected_out
 
     def _predicted_fit(self, request: Request, hits: list[int]) -> bool:
+        # Under a sliding window a request's blocks stop growing at about the window's worth.
         kv = self.kv_cache
-        growth = sum(max(0, kv.blocks_needed(self._expected_total(r)) - len(r.block_ids)) for r in self.running)
-        need = kv.blocks_needed(self._expected_total(request)) - len(hits)
+        growth = sum(max(0, kv.max_blocks_held(self._expected_total(r)) - kv.num_held_blocks(r)) for r in self.running)
+        need = max(0, kv.max_blocks_held(self._expected_total(request)) - len(hits))
         reserve = int(self.config.kv_watermark * kv.num_blocks)
         return need + growth + reserve <= kv.pool.num_free_blocks
 
