@@ -144,6 +144,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             layer = _LAYER_INDEX.match(name)
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                continue  # fp8 KV scales of an MHA cache: the 8-bit latent cache scales each token itself
             if layer and int(layer.group(1)) >= num_layers:
                 index, rest = int(layer.group(1)) - num_layers, name[layer.end():]
                 if index >= num_mtp or rest.startswith(("embed_tokens.", "shared_head.head.")):

@@ -252,3 +252,23 @@ def test_doctor_and_roofline_count_the_8bit_latent(checkpoints):
     assert model_cost(lite, 2).kv_bytes_per_token == 27 * 576 * 2
     for name in ("fp8", "fp8_e5m2", "int8"):
         assert model_cost(lite, 2, name).kv_bytes_per_token == 27 * (576 + 8)
+
+
+def test_checkpoint_kv_scales_are_accepted_and_unused(checkpoints, tmp_path):
+    """A DeepSeek checkpoint carrying per-layer ``self_attn.k_scale``/``v_scale`` (what an fp8 MHA
+    cache would read) loads: the latent cache scales each token itself, so they change nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "v2-scales"
+    shutil.copytree(checkpoints["v2"], path)
+    files = sorted(path.glob("*.safetensors"))
+    tensors = load_file(str(files[0]))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, str(files[0]))
+    prompts = make_prompts()[:3]
+    got, _ = ours(str(path), prompts, "fp8")
+    want, _ = ours(checkpoints["v2"], prompts, "fp8")
+    assert got == want

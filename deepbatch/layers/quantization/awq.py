@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.w4a16_gemm import pack_int4
+from deepbatch.layers.quantization.base import refuse_option
 from deepbatch.layers.quantization.w4a16 import (
     PACK,
     RANDOM_BITS,
@@ -87,19 +88,13 @@ class AWQConfig(W4A16Config):
 
     @classmethod
     def from_hf(cls, qc: dict) -> AWQConfig:
-        unknown = sorted(set(qc) - cls._KNOWN)
-        if unknown:
-            raise ValueError(f"quantization_config: awq option(s) {unknown} are not supported")
-        if qc.get("bits", 4) != 4:
-            raise ValueError(f"quantization_config: awq bits {qc['bits']!r} is not supported (only 4)")
+        cls.check_options(qc)
         for key in ("version", "format"):
             value = qc.get(key, "gemm")
             if not isinstance(value, str) or value.lower() != "gemm":
-                raise ValueError(f"quantization_config: awq {key} {value!r} is not supported (only 'gemm': "
-                                 "AutoAWQ's GEMM layout)")
+                refuse_option("awq", key, value, "only 'gemm': AutoAWQ's GEMM layout")
         if qc.get("zero_point", True) is not True:
-            raise ValueError(f"quantization_config: awq zero_point {qc['zero_point']!r} is not supported "
-                             "(only true: a zero point per group)")
+            refuse_option("awq", "zero_point", qc["zero_point"], "only true: a zero point per group")
         if qc.get("desc_act"):
             raise ValueError("quantization_config: awq desc_act true is not supported")
         if qc.get("modules_in_block_to_quantize"):

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +157,26 @@ class QuantizationConfig:
         """How much faster than 16-bit its GEMMs can compute at best: 2 for FP8 tensor cores,
         1 for weight-only formats (their products run in 16 bits)."""
         return 1.0
+
+
+def refuse_option(fmt: str, option: str, value, supported: str) -> NoReturn:
+    """A checkpoint's quantization_config option whose value this format cannot load, named with
+    what it can (``fmt`` may name a part of the config too, as "compressed-tensors weights")."""
+    raise ValueError(f"quantization_config: {fmt} {option} {value!r} is not supported ({supported})")
+
+
+def refuse_unknown_options(fmt: str, qc: dict, known: Collection[str]) -> None:
+    """An option outside ``known`` may change what the tensors mean: refused rather than ignored."""
+    unknown = sorted(set(qc) - set(known))
+    if unknown:
+        raise ValueError(f"quantization_config: {fmt} option(s) {unknown} are not supported")
+
+
+def require_option(fmt: str, qc: dict, option: str, only, note: str = "") -> None:
+    """``qc[option]``, where given, must be ``only``; ``note`` says why in the refusal."""
+    value = qc.get(option, only)
+    if value != only:
+        refuse_option(fmt, option, value, f"only {only!r}{note}")
 
 
 # Merged layers and the checkpoint projections they hold, for matching per-projection ignore lists.

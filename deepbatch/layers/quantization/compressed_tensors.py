@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from deepbatch.layers.quantization.base import LinearMethod, QuantizationConfig, ignored_by
+from deepbatch.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    ignored_by,
+    refuse_option,
+    refuse_unknown_options,
+)
 from deepbatch.layers.quantization.w4a16 import (
     PACK,
     RANDOM_BITS,
@@ -40,7 +46,8 @@ from deepbatch.layers.quantization.w4a16 import (
     w4a16_weight_bits,
 )
 
-_PREFIX = "quantization_config: compressed-tensors"
+_FMT = "compressed-tensors"
+_PREFIX = f"quantization_config: {_FMT}"
 _SCALE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 # Keys that the package's model leaves to its ModelCompressor; read here to refuse what they enable.
 _EXTRA_KEYS = {"sparsity_config", "transform_config", "version"}
@@ -102,10 +109,6 @@ def _random_weight_shape(layer, param, generator):
     param.copy_(torch.tensor(checkpoint_shape(layer, None)))
 
 
-def _refuse(what: str, value, supported: str):
-    raise ValueError(f"{_PREFIX} {what} {value!r} is not supported ({supported})")
-
-
 def _check(where: str, args, **allowed) -> None:
     """Each field of quantization args ``args`` must hold one of its allowed values."""
     if args is None:
@@ -114,16 +117,14 @@ def _check(where: str, args, **allowed) -> None:
         value = getattr(args, field)
         value = getattr(value, "value", value)
         if value not in ok:
-            _refuse(f"{where} {field}", value, f"supported: {', '.join(repr(v) for v in ok)}")
+            refuse_option(_FMT, f"{where} {field}", value, f"supported: {', '.join(repr(v) for v in ok)}")
 
 
 def _check_keys(where: str, raw, model) -> None:
     """The package's models ignore keys they do not know; a key this version does not know is
     refused rather than silently dropped."""
     if isinstance(raw, dict):
-        unknown = sorted(set(raw) - set(model.model_fields))
-        if unknown:
-            raise ValueError(f"{_PREFIX} {where} option(s) {unknown} are not supported")
+        refuse_unknown_options(f"{_FMT} {where}", raw, model.model_fields)
 
 
 def _fp8_dynamic(scheme) -> LinearMethod:
@@ -144,11 +145,11 @@ def _w4a16(scheme) -> CompressedTensorsW4A16Method:
     _check("weights", w, num_bits=(4,), type=("int",), strategy=("group",), dynamic=(False,),
            block_structure=(None,), actorder=(None, "weight", "static"))
     if w.scale_dtype not in _SCALE_DTYPES:
-        _refuse("weights scale_dtype", w.scale_dtype, "a 16- or 32-bit float")
+        refuse_option(_FMT, "weights scale_dtype", w.scale_dtype, "a 16- or 32-bit float")
     if scheme.input_activations is not None:
         raise ValueError(f"{_PREFIX} pack-quantized weights with input_activations (activations quantized too) "
                          "are not supported; W4A16 is")
-    group_size = check_group_size("compressed-tensors", w.group_size)
+    group_size = check_group_size(_FMT, w.group_size)
     return CompressedTensorsW4A16Method(group_size, bool(w.symmetric))
 
 
@@ -180,13 +181,14 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"{_PREFIX}: {e}") from None
         status = getattr(config.quantization_status, "value", config.quantization_status)
         if status != "compressed":
-            _refuse("quantization_status", status, "only 'compressed': the packed tensors llm-compressor saves")
+            refuse_option(_FMT, "quantization_status", status,
+                          "only 'compressed': the packed tensors llm-compressor saves")
         if len(config.config_groups) != 1:
             raise ValueError(f"{_PREFIX}: {len(config.config_groups)} config_groups "
                              f"({', '.join(config.config_groups)}) are not supported (one scheme for every Linear)")
         (group_name, scheme), = config.config_groups.items()
         if list(scheme.targets) != ["Linear"]:
-            _refuse(f"config_groups.{group_name} targets", scheme.targets, "only ['Linear']")
+            refuse_option(_FMT, f"config_groups.{group_name} targets", scheme.targets, "only ['Linear']")
         if scheme.output_activations is not None:
             raise ValueError(f"{_PREFIX} config_groups.{group_name} output_activations are not supported")
         fmt = scheme.format or config.format
@@ -198,7 +200,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             kind = "symmetric" if method.symmetric else "asymmetric"
             desc = f"W4A16 (pack-quantized, group_size {method.group_size}, {kind})"
         else:
-            _refuse("format", fmt, "'float-quantized' FP8_DYNAMIC or 'pack-quantized' W4A16")
+            refuse_option(_FMT, "format", fmt, "'float-quantized' FP8_DYNAMIC or 'pack-quantized' W4A16")
         ignore = tuple(config.ignore or ())
         return cls(method, ignore, desc)
 

@@ -23,7 +23,14 @@ import math
 import torch
 
 from deepbatch.kernels.common import triton
-from deepbatch.layers.quantization.base import LinearMethod, QuantizationConfig, ignored_by, shard_param
+from deepbatch.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    ignored_by,
+    refuse_unknown_options,
+    require_option,
+    shard_param,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -81,7 +88,7 @@ class Fp8BlockLinearMethod(LinearMethod):
     def apply(self, layer, x):
         from deepbatch.kernels import fp8_quant, w8a8_fp8_gemm
 
-        bn, bk = self.block_size
+        bk = self.block_size[1]  # activations are quantized in groups of the weight block's columns
         x2 = x.reshape(-1, x.shape[-1])
         if _use_kernels(x):
             x_q, x_s = fp8_quant.per_token_group_quant_fp8(x2, bk)
@@ -184,14 +191,9 @@ class Fp8Config(QuantizationConfig):
     def from_hf(cls, qc: dict) -> Fp8Config:
         known = {"quant_method", "activation_scheme", "fmt", "weight_block_size", "modules_to_not_convert",
                  "ignored_layers", "dequantize"}
-        unknown = sorted(set(qc) - known)
-        if unknown:
-            raise ValueError(f"quantization_config: fp8 option(s) {unknown} are not supported")
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise ValueError(f"quantization_config: fp8 activation_scheme {qc['activation_scheme']!r} is not "
-                             "supported (only 'dynamic')")
-        if qc.get("fmt", "e4m3") != "e4m3":
-            raise ValueError(f"quantization_config: fp8 fmt {qc['fmt']!r} is not supported (only 'e4m3')")
+        refuse_unknown_options("fp8", qc, known)
+        require_option("fp8", qc, "activation_scheme", "dynamic")
+        require_option("fp8", qc, "fmt", "e4m3")
         block = qc.get("weight_block_size")
         if block is None:
             raise ValueError("quantization_config: an fp8 checkpoint without weight_block_size (per-tensor scales) "

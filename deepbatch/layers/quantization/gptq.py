@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.w4a16_gemm import unpack_int4
+from deepbatch.layers.quantization.base import require_option
 from deepbatch.layers.quantization.w4a16 import (
     PACK,
     RANDOM_BITS,
@@ -92,22 +93,13 @@ class GPTQConfig(W4A16Config):
 
     @classmethod
     def from_hf(cls, qc: dict) -> GPTQConfig:
-        unknown = sorted(set(qc) - cls._KNOWN)
-        if unknown:
-            raise ValueError(f"quantization_config: gptq option(s) {unknown} are not supported")
-        if qc.get("bits", 4) != 4:
-            raise ValueError(f"quantization_config: gptq bits {qc['bits']!r} is not supported (only 4)")
+        cls.check_options(qc)
         if qc.get("sym", True) is not True:
             raise ValueError("quantization_config: gptq sym false (asymmetric) is not supported: the v1 format's "
                              "zero-minus-one zero points wrap for a zero point of 0")
         for key in ("checkpoint_format", "format"):
-            value = qc.get(key, "gptq")
-            if value != "gptq":
-                raise ValueError(f"quantization_config: gptq {key} {value!r} is not supported (only 'gptq'; "
-                                 "gptq_v2, marlin and other repacked layouts are not)")
-        if qc.get("pack_dtype", "int32") != "int32":
-            raise ValueError(f"quantization_config: gptq pack_dtype {qc['pack_dtype']!r} is not supported "
-                             "(only 'int32')")
+            require_option("gptq", qc, key, "gptq", "; gptq_v2, marlin and other repacked layouts are not")
+        require_option("gptq", qc, "pack_dtype", "int32")
         if qc.get("lm_head"):
             raise ValueError("quantization_config: gptq lm_head true (a quantized lm_head) is not supported")
         if qc.get("dynamic"):

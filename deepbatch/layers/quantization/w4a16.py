@@ -27,6 +27,9 @@ from deepbatch.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
     ignored_by,
+    refuse_option,
+    refuse_unknown_options,
+    require_option,
     shard_param,
 )
 
@@ -72,8 +75,7 @@ def check_group_size(fmt: str, group_size, *, allow_whole_k: bool = False) -> in
         return None
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % PACK:
         allowed = " or -1" if allow_whole_k else ""
-        raise ValueError(f"quantization_config: {fmt} group_size {group_size!r} is not supported (a positive multiple "
-                         f"of {PACK}{allowed})")
+        refuse_option(fmt, "group_size", group_size, f"a positive multiple of {PACK}{allowed}")
     return group_size
 
 
@@ -168,9 +170,18 @@ class W4A16Config(QuantizationConfig):
     """A 4-bit format: one method for every linear layer, ``ignored`` the checkpoint's names of
     layers left in 16 bits, matched by ``_matches``."""
 
+    # The options a format reads, or knows not to change what its tensors mean; others are refused.
+    _KNOWN: frozenset[str] = frozenset()
+
     def __init__(self, method: W4A16LinearMethod, ignored: tuple[str, ...] = ()):
         self._method = method
         self.ignored = ignored
+
+    @classmethod
+    def check_options(cls, qc: dict) -> None:
+        """What every 4-bit format refuses alike: an option it does not know, another bit width."""
+        refuse_unknown_options(cls.name, qc, cls._KNOWN)
+        require_option(cls.name, qc, "bits", 4)
 
     @property
     def group_size(self) -> int | None:

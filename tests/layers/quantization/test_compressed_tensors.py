@@ -6,15 +6,15 @@ run time, so the logits are held to a stated tolerance."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+from functools import partial
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from deepbatch import LLM, SamplingParams
+from deepbatch import LLM
+from quanttest_common import (PROMPTS, assert_load_refused, assert_random_w4a16_weights_at_a_sensible_scale,
+                              base_model, copy_checkpoint, drop_tensor, edit_tensor, float32_llm, greedy_ids,
+                              last_logprobs, linear_layers_and_references, next_token_gaps, quantization_config_of)
 from tests.models.hf_reference import hf_greedy_ids
 
 pytest.importorskip("compressed_tensors")
@@ -26,17 +26,6 @@ SCHEMES = {
     "w4a16-asym": ("W4A16_ASYM", ["lm_head", r"re:.*layers\.1\.mlp\.(gate|up|down)_proj$"]),
     "fp8-dynamic": ("FP8_DYNAMIC", ["lm_head"]),
 }
-PROMPTS = [[5, 17, 99, 3, 250, 31], [1, 2, 3], [300, 12, 7, 7, 7, 44, 90, 18, 201, 6, 66], [7, 8, 9, 10, 11],
-           [200, 100, 50, 25]]
-
-
-def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.08, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +36,8 @@ def checkpoints(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("compressed-tensors")
-    torch.manual_seed(0)
     # oneshot reads the model's config back from its directory: quantize a saved model.
-    AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).save_pretrained(root / "base")
+    base_model().save_pretrained(root / "base")
     paths = {}
     for name, (scheme, ignore) in SCHEMES.items():
         model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
@@ -76,21 +64,8 @@ def hf_model(path: str):
 
 def deepbatch_llm(path: str) -> LLM:
     if path not in _llms:
-        _llms[path] = LLM(path, dtype="float32", device="cpu", max_model_len=128)
+        _llms[path] = float32_llm(path)
     return _llms[path]
-
-
-def layers_and_references(llm, hf):
-    ours = llm.engine.runner.model
-    ref = dict(hf.named_parameters())
-    for i in range(2):
-        attn, mlp = ours.model.layers[i].self_attn, ours.model.layers[i].mlp
-        qkv = torch.cat([ref[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
-        gate_up = torch.cat([ref[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
-        yield i, "qkv_proj", attn.qkv_proj, qkv
-        yield i, "o_proj", attn.o_proj, ref[f"model.layers.{i}.self_attn.o_proj.weight"]
-        yield i, "gate_up_proj", mlp.gate_up_proj, gate_up
-        yield i, "down_proj", mlp.down_proj, ref[f"model.layers.{i}.mlp.down_proj.weight"]
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "fp8-dynamic"])
@@ -98,20 +73,18 @@ def test_each_layer_dequantizes_to_what_the_package_decompresses(checkpoints, na
     llm = deepbatch_llm(checkpoints[name])
     expected = {"w4a16": "compressed-tensors-w4a16", "w4a16-asym": "compressed-tensors-w4a16",
                 "fp8-dynamic": "fp8-channel"}[name]
-    checked = 0
-    for i, proj, layer, ref in layers_and_references(llm, hf_model(checkpoints[name])):
+    pairs = linear_layers_and_references(llm, hf_model(checkpoints[name]))
+    assert len(pairs) == 8
+    for i, proj, layer, ref in pairs:
         ignored = name == "w4a16-asym" and i == 1 and proj in ("gate_up_proj", "down_proj")
         assert layer.quant_method.name == ("unquantized" if ignored else expected), (i, proj)
         torch.testing.assert_close(layer.quant_method.dequantize(layer).float(), ref, rtol=0, atol=0)
-        checked += 1
-    assert checked == 8
 
 
 @pytest.mark.parametrize("name", ["w4a16", "w4a16-asym"])
 def test_w4a16_greedy_tokens_match_transformers(checkpoints, name):
-    outs = deepbatch_llm(checkpoints[name]).generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy_ids(hf_model(checkpoints[name]), PROMPTS, 8)
+    want = hf_greedy_ids(hf_model(checkpoints[name]), PROMPTS, 8)
+    assert greedy_ids(deepbatch_llm(checkpoints[name]), PROMPTS) == want
 
 
 def unrounded_model(hf):
@@ -124,11 +97,6 @@ def unrounded_model(hf):
     return model
 
 
-def last_logprobs(model, prompt) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
-
-
 def test_fp8_dynamic_logits_match_transformers_rounding_activations_per_token(checkpoints):
     """transformers' compressed-tensors model rounds each linear input to e4m3 per token at run
     time too, so both sides round the same activations: equal but for an activation whose float32
@@ -136,18 +104,8 @@ def test_fp8_dynamic_logits_match_transformers_rounding_activations_per_token(ch
     (hundredths of a unit of log-probability at most). Against a model that does not round its
     activations: the rounding itself (3 mantissa bits), tenths of a unit on this random model."""
     hf = hf_model(checkpoints["fp8-dynamic"])
-    plain = unrounded_model(hf)
-    outs = deepbatch_llm(checkpoints["fp8-dynamic"]).generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, temperature=0.0, logprobs=20))
-    worst_same, worst_plain = 0.0, 0.0
-    for prompt, out in zip(PROMPTS, outs):
-        same, unrounded = last_logprobs(hf, prompt), last_logprobs(plain, prompt)
-        assert out.outputs[0].token_ids[0] == int(same.argmax())
-        _, top = out.outputs[0].logprobs[0]
-        assert len(top) == 20
-        for tok, lp in top.items():
-            worst_same = max(worst_same, abs(lp - float(same[tok])))
-            worst_plain = max(worst_plain, abs(lp - float(unrounded[tok])))
+    worst_same, worst_plain = next_token_gaps(deepbatch_llm(checkpoints["fp8-dynamic"]), PROMPTS,
+                                              [partial(last_logprobs, hf), partial(last_logprobs, unrounded_model(hf))])
     assert worst_same < 0.05, worst_same
     assert worst_same < worst_plain / 5, (worst_same, worst_plain)
 
@@ -167,44 +125,18 @@ def test_the_packed_layout_is_the_canonical_one_transposed():
     assert torch.equal(unpack_from_int32(zp_packed, 4, q.shape, packed_dim=0), q)
 
 
-def rewrite(src: str, dst: str, qc=None, corrupt=None) -> str:
-    shutil.copytree(src, dst)
-    if qc is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"] = qc(cfg["quantization_config"])
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f)
-    if corrupt is not None:
-        tensors = load_file(os.path.join(dst, "model.safetensors"))
-        corrupt(tensors)
-        save_file(tensors, os.path.join(dst, "model.safetensors"))
-    return dst
-
-
-def _drop(name):
-    return lambda tensors: tensors.pop(name)
-
-
-def _set(name, fn):
-    def corrupt(tensors):
-        tensors[name] = fn(tensors[name]).contiguous()
-    return corrupt
-
-
 @pytest.mark.parametrize("name, corrupt, message", [
-    ("w4a16", _drop("model.layers.1.self_attn.o_proj.weight_scale"), "o_proj.weight_scale"),
-    ("w4a16", _drop("model.layers.0.mlp.up_proj.weight_packed"), r"part\(s\) \[1\] of model.layers.0.mlp.gate_up_proj"),
-    ("w4a16-asym", _drop("model.layers.0.self_attn.o_proj.weight_zero_point"), "o_proj.weight_zero_point"),
-    ("w4a16-asym", _set("model.layers.0.self_attn.v_proj.weight_zero_point", lambda t: t[:, :1]), "shape"),
-    ("w4a16", _set("model.layers.0.self_attn.q_proj.weight_packed", lambda t: t[:, :16]), "shape"),
-    ("w4a16", _set("model.layers.0.mlp.down_proj.weight_shape", lambda t: t.flip(0)), "weight_shape"),
+    ("w4a16", drop_tensor("model.layers.1.self_attn.o_proj.weight_scale"), "o_proj.weight_scale"),
+    ("w4a16", drop_tensor("model.layers.0.mlp.up_proj.weight_packed"),
+     r"part\(s\) \[1\] of model.layers.0.mlp.gate_up_proj"),
+    ("w4a16-asym", drop_tensor("model.layers.0.self_attn.o_proj.weight_zero_point"), "o_proj.weight_zero_point"),
+    ("w4a16-asym", edit_tensor("model.layers.0.self_attn.v_proj.weight_zero_point", lambda t: t[:, :1]), "shape"),
+    ("w4a16", edit_tensor("model.layers.0.self_attn.q_proj.weight_packed", lambda t: t[:, :16]), "shape"),
+    ("w4a16", edit_tensor("model.layers.0.mlp.down_proj.weight_shape", lambda t: t.flip(0)), "weight_shape"),
 ], ids=["missing-scale", "missing-part", "missing-zero-point", "wrong-zero-point-shape", "wrong-packed-shape",
         "wrong-weight-shape"])
 def test_corrupt_checkpoints_fail_to_load_with_a_clear_error(tmp_path, checkpoints, name, corrupt, message):
-    path = rewrite(checkpoints[name], str(tmp_path / "bad"), corrupt=corrupt)
-    with pytest.raises(ValueError, match=message):
-        LLM(path, dtype="float32", device="cpu", max_model_len=128)
+    assert_load_refused(copy_checkpoint(checkpoints[name], str(tmp_path / "bad"), corrupt=corrupt), message)
 
 
 def _weights(**change):
@@ -259,16 +191,14 @@ def _two_groups(qc):
         "regex-targets", "w4a8", "two-groups", "marlin-24", "kv-cache-scheme", "sparsity", "not-compressed",
         "unknown-option", "fp8-static-activations", "fp8-per-tensor-weights", "fp8-weight-only"])
 def test_unsupported_configs_are_refused_naming_the_option(tmp_path, checkpoints, name, edit, message):
-    path = rewrite(checkpoints[name], str(tmp_path / "ckpt"), qc=edit)
-    with pytest.raises(ValueError, match=message):
-        LLM(path, dtype="float32", device="cpu", max_model_len=128)
+    qc = edit(quantization_config_of(checkpoints[name]))
+    assert_load_refused(copy_checkpoint(checkpoints[name], str(tmp_path / "ckpt"), qc=qc), message)
 
 
 def test_ignore_matches_checkpoint_names_and_refuses_a_merged_layer_split(checkpoints):
     from deepbatch.layers.quantization.compressed_tensors import CompressedTensorsConfig
 
-    with open(os.path.join(checkpoints["w4a16"], "config.json")) as f:
-        qc = json.load(f)["quantization_config"]
+    qc = quantization_config_of(checkpoints["w4a16"])
     config = CompressedTensorsConfig.from_hf({**qc, "ignore": ["model.layers.0.self_attn.q_proj",
                                                                r"re:.*\.(k|v)_proj$", "re:.*layers.1.mlp.gate"]})
     assert config.is_ignored("model.layers.0.self_attn.qkv_proj")
@@ -283,24 +213,8 @@ def test_without_the_package_the_error_says_what_to_install(checkpoints, monkeyp
 
     monkeypatch.setitem(sys.modules, "compressed_tensors.quantization", None)  # import fails
     with pytest.raises(ImportError, match=r"pip install 'deepbatch\[quant\]'"):
-        LLM(checkpoints["w4a16"], dtype="float32", device="cpu", max_model_len=128)
+        float32_llm(checkpoints["w4a16"])
 
 
 def test_random_weights_fill_the_checkpoint_tensors_at_a_sensible_scale(tmp_path, checkpoints):
-    """A bare config.json (benchmarks): the format's own tensors are filled directly, then
-    converted like a checkpoint's; what they hold is the bits per weight the roofline counts."""
-    cfg = llama_config().to_dict()
-    with open(os.path.join(checkpoints["w4a16-asym"], "config.json")) as f:
-        cfg["quantization_config"] = json.load(f)["quantization_config"]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(tmp_path / "config.json"), dtype="bfloat16", device="cpu", max_model_len=128)
-    for layer in (llm.engine.runner.model.model.layers[0].self_attn.qkv_proj,
-                  llm.engine.runner.model.model.layers[0].mlp.down_proj):
-        assert sorted(n for n, _ in layer.named_parameters()) == ["qweight", "scales", "zeros"]
-        assert torch.equal(layer.zeros, torch.full_like(layer.zeros, 8.0))
-        assert 0.015 < float(layer.quant_method.dequantize(layer).float().std()) < 0.025
-        stored = sum(p.numel() * p.element_size() * 8 for p in layer.parameters())
-        assert stored / (layer.in_features * layer.out_features) == llm.engine.runner.model.quantization.weight_bits()
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
-                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
+    assert_random_w4a16_weights_at_a_sensible_scale(tmp_path, quantization_config_of(checkpoints["w4a16-asym"]))

@@ -8,34 +8,18 @@ tensors, simulated in one process, and a real TP=2 run over gloo."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from deepbatch import LLM, SamplingParams
-from deepbatch.distributed.parallel_state import TensorParallelGroup, building_for
-from deepbatch.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from deepbatch.layers.quantization import quantization_scope
+from quanttest_common import (PROMPTS, assert_load_refused, assert_random_w4a16_weights_at_a_sensible_scale,
+                              assert_two_ranks_recombine, base_model, copy_checkpoint, drop_tensor, edit_tensor,
+                              float32_llm, greedy_ids, is_layer_projection, linear_layers_and_references,
+                              write_checkpoint)
 from tests.models.hf_reference import hf_greedy_ids
 
 GROUP = 128
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
                "static_groups": False, "true_sequential": True, "damp_percent": 0.01, "checkpoint_format": "gptq"}
-PROMPTS = [[5, 17, 99, 3, 250, 31], [1, 2, 3], [300, 12, 7, 7, 7, 44, 90, 18, 201, 6, 66], [7, 8, 9, 10, 11],
-           [200, 100, 50, 25]]
-
-
-def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.08, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def pack_nibbles(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -86,37 +70,19 @@ def test_the_packer_follows_the_documented_layout():
             assert (word_n >> (4 * (c % 8))) & 0xF == int(q[r, c])
 
 
-def write_checkpoint(model, path: str, qc: dict = GPTQ_CONFIG, corrupt=None) -> str:
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            for key, value in gptq_tensors(t).items():
-                tensors[name.removesuffix("weight") + key] = value
-        else:
-            tensors[name] = t.contiguous()
-    if corrupt:
-        corrupt(tensors)
-    os.makedirs(path, exist_ok=True)
-    model.config.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    return path
+def gptq_quantized(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    if not is_layer_projection(name, t):
+        return None
+    return {name.removesuffix("weight") + key: value for key, value in gptq_tensors(t).items()}
 
 
-def base_model(seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+def write_gptq_checkpoint(model, path: str, corrupt=None) -> str:
+    return write_checkpoint(model, path, GPTQ_CONFIG, gptq_quantized, corrupt)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_checkpoint(base_model(), str(tmp_path_factory.mktemp("gptq") / "llama"))
+    return write_gptq_checkpoint(base_model(), str(tmp_path_factory.mktemp("gptq") / "llama"))
 
 
 @pytest.fixture(scope="module")
@@ -124,59 +90,44 @@ def hf_model():
     model = base_model()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            if is_layer_projection(name, p):
                 p.copy_(dequantized(gptq_tensors(p.data)))
     return model
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint, dtype="float32", device="cpu", max_model_len=128)
-
-
-def greedy(llm) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return float32_llm(checkpoint)
 
 
 def test_each_layer_dequantizes_to_the_packed_weights(llm, hf_model):
-    ours = llm.engine.runner.model
-    hf = dict(hf_model.named_parameters())
-    assert ours.quantization.describe().startswith("gptq")
-    for i in range(2):
-        attn, mlp = ours.model.layers[i].self_attn, ours.model.layers[i].mlp
-        qkv = torch.cat([hf[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
-        gate_up = torch.cat([hf[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
-        for layer, ref in ((attn.qkv_proj, qkv), (attn.o_proj, hf[f"model.layers.{i}.self_attn.o_proj.weight"]),
-                           (mlp.gate_up_proj, gate_up), (mlp.down_proj, hf[f"model.layers.{i}.mlp.down_proj.weight"])):
-            assert layer.quant_method.name == "gptq"
-            torch.testing.assert_close(layer.quant_method.dequantize(layer), ref, rtol=0, atol=0)
+    assert llm.engine.runner.model.quantization.describe().startswith("gptq")
+    for _, _, layer, ref in linear_layers_and_references(llm, hf_model):
+        assert layer.quant_method.name == "gptq"
+        torch.testing.assert_close(layer.quant_method.dequantize(layer), ref, rtol=0, atol=0)
 
 
 def test_greedy_tokens_match_transformers_on_the_dequantized_weights(llm, hf_model):
-    assert greedy(llm) == hf_greedy_ids(hf_model, PROMPTS, 8)
+    assert greedy_ids(llm, PROMPTS) == hf_greedy_ids(hf_model, PROMPTS, 8)
 
 
 def test_tensor_parallel_two_ranks_over_gloo(checkpoint, hf_model):
     """Column-parallel layers cut qweight, scales and qzeros along N (qzeros by whole words),
     row-parallel ones along K (qweight by words of eight rows, scales and qzeros by groups)."""
-    tp2 = LLM(checkpoint, dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2,
-              distributed_timeout_s=30)
+    tp2 = float32_llm(checkpoint, tensor_parallel_size=2, distributed_timeout_s=30)
     try:
         layer = tp2.engine.runner.model.model.layers[0]  # rank 0's half of each layer
         assert layer.self_attn.qkv_proj.zeros.shape == (256 // GROUP, (256 + 2 * 128) // 2)
         assert layer.mlp.down_proj.qweight.shape == (512 // 2 // 8, 256)
         assert layer.mlp.down_proj.scales.shape == (512 // 2 // GROUP, 256)
-        assert greedy(tp2) == hf_greedy_ids(hf_model, PROMPTS, 8)
+        assert greedy_ids(tp2, PROMPTS) == hf_greedy_ids(hf_model, PROMPTS, 8)
     finally:
         tp2.engine.shutdown()
 
 
 @pytest.mark.parametrize("group", [GROUP, None], ids=["group-128", "one-group-per-channel"])
 def test_each_ranks_cut_recombines_into_the_whole_product(group):
-    """Two ranks simulated in one process: gate|up column-parallel (outputs concatenate per part),
-    down row-parallel (partial products sum); ``group_size: -1`` keeps its one scale row whole."""
+    """Two ranks simulated in one process; ``group_size: -1`` keeps its one scale row whole."""
     from deepbatch.layers.quantization.gptq import GPTQConfig
 
     torch.manual_seed(0)
@@ -184,73 +135,30 @@ def test_each_ranks_cut_recombines_into_the_whole_product(group):
     gate, up, down = torch.randn(512, 256) * 0.05, torch.randn(512, 256) * 0.05, torch.randn(256, 512) * 0.05
     parts = {name: gptq_tensors(w, group) for name, w in (("gate", gate), ("up", up), ("down", down))}
     x = torch.randn(3, 256)
-    h_ref = torch.cat([x @ dequantized(parts[p], group).t() for p in ("gate", "up")], -1)
-    y_ref = h_ref[:, :512] @ dequantized(parts["down"], group).t()
-    partial = []
-    for rank in range(2):
-        with building_for(TensorParallelGroup(rank, 2)), quantization_scope(config):
-            gate_up = MergedColumnParallelLinear(256, [512, 512])
-            row = RowParallelLinear(512, 256, reduce_results=False)
-        for shard, p in enumerate(("gate", "up")):
-            for key, t in parts[p].items():
-                gate_up.weight_loader(getattr(gate_up, key), t, shard)
-        for key, t in parts["down"].items():
-            row.weight_loader(getattr(row, key), t)
-        gate_up.process_weights_after_loading()
-        row.process_weights_after_loading()
-        h = gate_up(x)
-        rows = slice(256 * rank, 256 * (rank + 1))
-        torch.testing.assert_close(h, torch.cat([h_ref[:, rows], h_ref[:, 512:][:, rows]], -1))
-        partial.append(row(h_ref[:, :512][:, rows]))
-    torch.testing.assert_close(sum(partial), y_ref)
+    assert_two_ranks_recombine(config, parts, {p: dequantized(t, group) for p, t in parts.items()}, x)
 
 
-def _drop(name):
-    return lambda tensors: tensors.pop(name)
-
-
-def _narrow_qzeros(tensors):
-    name = "model.layers.0.self_attn.o_proj.qzeros"
-    tensors[name] = tensors[name][:, :-1].contiguous()
-
-
-def _act_order_g_idx(tensors):
-    name = "model.layers.1.mlp.down_proj.g_idx"  # a permuted channel-to-group map, as desc_act writes
-    tensors[name] = tensors[name][torch.randperm(tensors[name].numel(), generator=torch.Generator().manual_seed(0))]
-
-
-def _g_idx_differs_between_parts(tensors):
-    name = "model.layers.0.self_attn.k_proj.g_idx"
-    tensors[name] = torch.zeros_like(tensors[name])
+def _act_order_g_idx(t):
+    return t[torch.randperm(t.numel(), generator=torch.Generator().manual_seed(0))]
 
 
 @pytest.mark.parametrize("corrupt, message", [
     # one projection of a merged layer: the other's tensor fills the same parameter
-    (_drop("model.layers.0.mlp.gate_proj.scales"), r"part\(s\) \[0\] of model.layers.0.mlp.gate_up_proj.scales"),
-    (_drop("model.layers.1.self_attn.o_proj.qzeros"), "o_proj.qzeros"),
-    (_narrow_qzeros, "shape"),
-    (_act_order_g_idx, "g_idx is not k // group_size"),
-    (_g_idx_differs_between_parts, "g_idx is not k // group_size"),
+    (drop_tensor("model.layers.0.mlp.gate_proj.scales"), r"part\(s\) \[0\] of model.layers.0.mlp.gate_up_proj.scales"),
+    (drop_tensor("model.layers.1.self_attn.o_proj.qzeros"), "o_proj.qzeros"),
+    (edit_tensor("model.layers.0.self_attn.o_proj.qzeros", lambda t: t[:, :-1]), "shape"),
+    # a permuted channel-to-group map, as desc_act writes
+    (edit_tensor("model.layers.1.mlp.down_proj.g_idx", _act_order_g_idx), "g_idx is not k // group_size"),
+    (edit_tensor("model.layers.0.self_attn.k_proj.g_idx", torch.zeros_like), "g_idx is not k // group_size"),
 ], ids=["missing-scales", "missing-qzeros", "wrong-qzeros-shape", "act-order-g_idx", "g_idx-differs"])
 def test_corrupt_checkpoints_fail_to_load_with_a_clear_error(tmp_path, corrupt, message):
-    path = write_checkpoint(base_model(), str(tmp_path / "bad"), corrupt=corrupt)
-    with pytest.raises(ValueError, match=message):
-        LLM(path, dtype="float32", device="cpu", max_model_len=128)
+    assert_load_refused(write_gptq_checkpoint(base_model(), str(tmp_path / "bad"), corrupt=corrupt), message)
 
 
 def test_desc_act_with_the_trivial_g_idx_loads(tmp_path, checkpoint, llm):
-    path = str(tmp_path / "desc-act")
-    shutil.copytree(checkpoint, path)
-    set_config(path, {**GPTQ_CONFIG, "desc_act": True, "static_groups": True})
-    assert greedy(LLM(path, dtype="float32", device="cpu", max_model_len=128)) == greedy(llm)
-
-
-def set_config(path: str, qc: dict) -> None:
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qc
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    path = copy_checkpoint(checkpoint, str(tmp_path / "desc-act"),
+                           qc={**GPTQ_CONFIG, "desc_act": True, "static_groups": True})
+    assert greedy_ids(float32_llm(path), PROMPTS) == greedy_ids(llm, PROMPTS)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -266,27 +174,8 @@ def set_config(path: str, qc: dict) -> None:
 ], ids=["asymmetric", "v2", "marlin", "8-bit", "group-not-dividing-k", "group-not-multiple-of-8",
         "quantized-lm-head", "dynamic", "unknown-option"])
 def test_unsupported_configs_are_refused_naming_the_option(tmp_path, checkpoint, change, message):
-    path = str(tmp_path / "ckpt")
-    shutil.copytree(checkpoint, path)
-    set_config(path, {**GPTQ_CONFIG, **change})
-    with pytest.raises(ValueError, match=message):
-        LLM(path, dtype="float32", device="cpu", max_model_len=128)
+    assert_load_refused(copy_checkpoint(checkpoint, str(tmp_path / "ckpt"), qc={**GPTQ_CONFIG, **change}), message)
 
 
 def test_random_weights_fill_the_checkpoint_tensors_at_a_sensible_scale(tmp_path):
-    """A bare config.json (benchmarks): the format's own tensors are filled directly, then
-    converted like a checkpoint's; what they hold is the bits per weight the roofline counts."""
-    cfg = llama_config().to_dict()
-    cfg["quantization_config"] = GPTQ_CONFIG
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(tmp_path / "config.json"), dtype="bfloat16", device="cpu", max_model_len=128)
-    for layer in (llm.engine.runner.model.model.layers[0].self_attn.qkv_proj,
-                  llm.engine.runner.model.model.layers[0].mlp.down_proj):
-        assert sorted(n for n, _ in layer.named_parameters()) == ["qweight", "scales", "zeros"]
-        assert torch.equal(layer.zeros, torch.full_like(layer.zeros, 8.0))
-        assert 0.015 < float(layer.quant_method.dequantize(layer).float().std()) < 0.025
-        stored = sum(p.numel() * p.element_size() * 8 for p in layer.parameters())
-        assert stored / (layer.in_features * layer.out_features) == llm.engine.runner.model.quantization.weight_bits()
-    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
-                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 4
+    assert_random_w4a16_weights_at_a_sensible_scale(tmp_path, GPTQ_CONFIG)
