@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="waiting prompt tokens beyond which requests get 429 (0: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send one OpenTelemetry span per request to this OTLP collector, e.g. grpc://localhost:4317 "
+                            "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); "
+                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf sends over HTTP. "
+                            "Needs pip install 'deepbatch[otel]'")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, or an online serving load")
@@ -198,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deepbatch.api.auth import load_keys
     from deepbatch.api.server import ServerConfig, run_server
     from deepbatch.engine.async_engine import AsyncEngine
+    from deepbatch.metrics.tracing import default_traces_endpoint, make_tracer_provider
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     config = engine_config_from_args(args)
@@ -209,12 +215,21 @@ def _serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=envs.DEEPBATCH_MAX_REQUEST_BODY_BYTES,
         log_stats_interval=envs.DEEPBATCH_LOG_STATS_INTERVAL,
     )
+    traces_endpoint = args.otlp_traces_endpoint or default_traces_endpoint()
+    # Before the model loads: a missing OpenTelemetry install fails now.
+    tracer_provider = make_tracer_provider(traces_endpoint) if traces_endpoint else None
+    if tracer_provider is not None:
+        logging.getLogger("deepbatch.server").info("tracing requests to %s", traces_endpoint)
     torch.manual_seed(args.seed)
     engine = AsyncEngine.from_config(
         config, max_queued_requests=args.max_queued_requests or None, max_queued_tokens=args.max_queued_tokens or None,
         tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP,
     )
-    return run_server(engine, server_config)
+    try:
+        return run_server(engine, server_config, tracer_provider)
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # sends the spans still batched
 
 
 def _generate(args: argparse.Namespace) -> int:

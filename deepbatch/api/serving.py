@@ -6,11 +6,14 @@ after, become OpenAI error answers here.
 Request ids are ``cmpl-<X-Request-Id>`` / ``chatcmpl-<X-Request-Id>`` when the client sends the
 header (a random uuid otherwise). With an API-keys file the auth gate puts the key's tenant and
 priority ceiling on the request's scope state; the tenant then replaces the body's ``user``.
+With tracing on, what each engine request's span needs (the W3C trace context of the headers,
+the sampling parameters) is handed to the tracer as the request is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -36,6 +39,7 @@ from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
 from deepbatch.engine.outputs import RequestOutput
 from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.metrics.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +76,10 @@ def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> API
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str]):
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], tracer: RequestTracer | None = None):
         self.engine = engine
         self.model_names = served_model_names
+        self.tracer = tracer  # None: no spans
         self.vocab_size = engine.engine.hf_config.vocab_size
         self.formatter = responses.ResponseFormatter(engine)
         hf_args = _named_arguments(getattr(engine.tokenizer, "apply_chat_template", None))
@@ -151,10 +156,17 @@ class OpenAIServing:
     async def _submit(self, request_id: str, prompts: list, params: SamplingParams, req: SamplingRequest,
                       raw: Request, param_alias: dict[str, str] | None = None) -> list[RequestStream]:
         pairs = [(request_id if len(prompts) == 1 else f"{request_id}-{i}", prompt) for i, prompt in enumerate(prompts)]
+        tracing = contextlib.nullcontext()
+        if self.tracer is not None:
+            tracing = self.tracer.pending(
+                [rid for rid, _ in pairs], raw.headers, params,
+                operation="chat" if isinstance(req, ChatCompletionRequest) else "text_completion",
+                request_model=req.model or self.model_name, response_model=self.model_name, response_id=request_id)
         try:
-            # All or none: one bad prompt of several queues nothing.
-            return await self.engine.add_requests(pairs, params, priority=req.priority, tenant=self.tenant(req, raw),
-                                                  arrival_time=time.monotonic())
+            with tracing:
+                # All or none: one bad prompt of several queues nothing.
+                return await self.engine.add_requests(pairs, params, priority=req.priority,
+                                                      tenant=self.tenant(req, raw), arrival_time=time.monotonic())
         except Exception as e:
             raise engine_error(e, param_alias) from None
 

@@ -5,7 +5,7 @@ It sends streaming ``/v1/completions`` requests (token-id prompts, EOS ignored, 
 every chunk, and prints the block ``vllm bench serve`` prints, so the two read side by side.
 
     python -m deepbatch.bench.serve --workload random-short --request-rate 8 --num-prompts 500 \
-        --goodput ttft:500 tpot:50 --output-json out.json
+        --goodput ttft:500 tpot:50 --output-json out.json     # plots in out.png (serve_plots.py)
     python -m deepbatch.bench.serve --workload random-short --sweep-rates 1,2,4,8,16 --plot sweep.png
     python -m deepbatch.bench.serve --workload hol --request-rate 4 --hol-long-every 5
     python -m deepbatch.bench.serve --workload tenants --request-rate 10 --num-prompts 550
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -26,6 +27,7 @@ try:
 except ImportError:  # some environments ship httpx only under its 2.x distribution name
     import httpx2 as httpx  # type: ignore[no-redef]
 
+from deepbatch.bench import serve_plots
 from deepbatch.bench.serve_metrics import (RequestResult, format_report, format_sweep, parse_goodput, per_request,
                                            plot_sweep, summarize)
 from deepbatch.bench.serve_workloads import WORKLOADS, RequestSpec, build_requests
@@ -63,7 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs per request, e.g. ttft:500 tpot:50 e2el:10000; goodput counts requests meeting all")
     p.add_argument("--sweep-rates", default=None, help="comma list of rates, e.g. 1,2,4,8; overrides --request-rate")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: goodput and p99 vs rate")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None,
+                   help="write the results here, and their latency/throughput plots beside them (X.json -> X.png)")
+    p.add_argument("--no-plots", action="store_true", help="do not write the plots beside --output-json")
     p.add_argument("--label", default=None,
                    help="names this run in the JSON (e.g. the server's settings), for serve_compare")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -282,7 +286,24 @@ def run(args: argparse.Namespace) -> dict:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(_json_safe(result), f, indent=1)
+        if not args.no_plots:
+            _plot_beside_json(result, args)
     return result
+
+
+def _plot_beside_json(result: dict, args) -> None:
+    """The run's plots beside its JSON, unless --plot already names that file. A missing
+    matplotlib costs the plots, never the results already written."""
+    path = serve_plots.plot_path(args.output_json)
+    if args.plot and os.path.abspath(args.plot) == os.path.abspath(path):
+        print(f"{path} holds the --plot sweep plot; the per-run plots are not written", file=sys.stderr)
+        return
+    try:
+        serve_plots.write_plots(result, args.output_json)
+    except ValueError as e:
+        print(f"no plots: {e}", file=sys.stderr)
+        return
+    print(f"plots: {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -401,6 +401,7 @@ class LLMEngine:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             error=errors[0] if errors else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
-                                   max((r.finished_time or 0.0) for r in children) or None),
+                                   max((r.finished_time or 0.0) for r in children) or None,
+                                   sum(r.num_preemptions for r in children)),
             tenant=first.tenant,
         )

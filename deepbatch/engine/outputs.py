@@ -30,6 +30,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times the scheduler took its KV blocks away, over its samples
 
 
 @dataclass
