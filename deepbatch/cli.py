@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); "
                             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf sends over HTTP. "
                             "Needs pip install 'deepbatch[otel]'")
+    serve.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="run N engine replicas behind a Ray Serve ingress with prefix-aware routing (on this "
+                            "machine, or the Ray cluster RAY_ADDRESS names); needs pip install 'deepbatch[ray]'; "
+                            "see docs/scale-out.md")
     serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, or an online serving load")
@@ -198,6 +202,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from deepbatch.serve_ray.cli import serve_replicas
+
+        return serve_replicas(args)
     import torch
 
     from deepbatch.api.auth import load_keys

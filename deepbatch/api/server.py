@@ -215,6 +215,36 @@ async def read_json_object(request: Request, limit: int) -> dict:
     return body
 
 
+def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, per_key: bool,
+                          max_request_body_bytes: int) -> dict:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` on ``serving`` (the single-process
+    server's and the Ray Serve ingress's); returns the error responses of a key-gated route, for
+    the caller's other routes. ``per_key``: keys carry priority ceilings and in-flight limits."""
+    # Each route lists the errors it can answer, so clients and fuzzers can hold replies to them.
+    auth = 401 if keys_on else 0
+    gated = error_responses(auth, 429 if per_key else 0)
+    generate = error_responses(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
+
+    async def parse(request: Request, model):
+        body = await read_json_object(request, max_request_body_bytes)
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={**generation_reply(CompletionResponse), **generate})
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await parse(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={**generation_reply(ChatCompletionResponse), **generate})
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(await parse(request, ChatCompletionRequest), request)
+
+    return gated
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -> FastAPI:
     """``tracer_provider``: an OpenTelemetry TracerProvider that gets one span per request (see
     deepbatch/metrics/tracing.py); None traces nothing."""
@@ -256,28 +286,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
     app.state.engine = engine
     install_error_handlers(app)
     app.add_middleware(_Gate, engine=engine, state=state)
-    # Each route lists the errors it can answer, so clients and fuzzers can hold replies to them.
-    auth = 401 if state.keys is not None else 0
-    per_key = config.api_keys_file is not None  # priority ceilings and in-flight limits
-    gated = error_responses(auth, 429 if per_key else 0)
-    generate = error_responses(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
-
-    async def parse(request: Request, model):
-        body = await read_json_object(request, config.max_request_body_bytes)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
-              responses={**generation_reply(CompletionResponse), **generate})
-    async def completions(request: Request) -> Response:
-        return await serving.completions(await parse(request, CompletionRequest), request)
-
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
-              responses={**generation_reply(ChatCompletionResponse), **generate})
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await parse(request, ChatCompletionRequest), request)
+    gated = add_generation_routes(app, serving, state.keys is not None, config.api_keys_file is not None,
+                                  config.max_request_body_bytes)
 
     @app.get("/v1/models", response_model=ModelList, responses={**gated, **error_responses(503)})
     async def models() -> ModelList:
@@ -398,6 +408,10 @@ def run_server(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) 
     state: ServerState = app.state.server_state
     uv_config = uvicorn.Config(
         ContainErrors(app), host=config.host, port=config.port, log_level="info", lifespan="on",
+        # h11, whatever else is installed (Ray Serve brings httptools): httptools answers a header
+        # byte it dislikes (DEL in X-Request-Id, a content type) with a plain-text 400 before the
+        # app sees the request, where clients must get the OpenAI error body.
+        http="h11",
         loop="auto",  # uvloop when it is installed, asyncio otherwise
         # Aborted requests answer within a step; this only bounds a stuck client write.
         timeout_graceful_shutdown=10,
