@@ -38,6 +38,29 @@ from deepbatch.kernels.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
 )
+from deepbatch.kernels.w8a8_fp8_gemm import w8a8_block_fp8_matmul_ref
+
+
+def _sum_over_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                      expert_mlp) -> torch.Tensor:
+    """``sum_k w[t, k] * expert_mlp(e, tokens)[t]`` in float32, cast to ``x``'s dtype: the (token,
+    expert) pairs grouped by expert, each expert run once on its tokens (``expert_mlp(e, tokens)``
+    returns those tokens' outputs ``[n, H]``)."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    flat_weights = topk_weights.flatten().float()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        tokens = pairs // top_k
+        out.index_add_(0, tokens, expert_mlp(e, tokens).float() * flat_weights[pairs, None])
+    return out.to(x.dtype)
 
 
 def fused_moe_ref(
@@ -48,38 +71,13 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,  # [T, K] int
 ) -> torch.Tensor:
     """Plain PyTorch reference, one expert at a time; sums in float32. Also the CPU backend."""
-    num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    flat_weights = topk_weights.flatten().float()
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start : start + n]
-        start += n
-        tokens = pairs // top_k
+
+    def expert_mlp(e, tokens):
         h = F.linear(x[tokens], w13[e])  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e])  # [n, H]
-        out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
-    return out.to(x.dtype)
+        return F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])  # [n, H]
 
-
-def _block_fp8_linear_ref(a_q, a_s, w_q, w_s, bn, bk):
-    """``[M, N]`` float32: one partial product per ``bk``-long stretch of K, scaled by that
-    stretch's token-group and weight-block scales as it is added."""
-    n, k = w_q.shape
-    w_f = w_q.float()
-    w_s_rows = w_s.repeat_interleave(bn, 0)[:n]  # [N, k_blocks]: each output row's own scales
-    out = torch.zeros(a_q.shape[0], n, dtype=torch.float32, device=a_q.device)
-    for kb, start in enumerate(range(0, k, bk)):
-        cols = slice(start, min(start + bk, k))
-        out += (a_q[:, cols].float() @ w_f[:, cols].T) * a_s[:, kb : kb + 1] * w_s_rows[:, kb]
-    return out
+    return _sum_over_experts(x, topk_weights, topk_ids, w13.shape[0], expert_mlp)
 
 
 def fused_moe_fp8_block_ref(
@@ -103,27 +101,15 @@ def fused_moe_fp8_block_ref(
     ``I`` must be a multiple of ``bn``, so no scale block of ``w13`` mixes gate and up rows."""
     bn, bk = _check_inputs(x, w13, w2, topk_weights, topk_ids, "fused_moe_fp8_block_ref",
                            (w13_scale, w2_scale, block_size))
-    num_tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     x_q, x_s = per_token_group_quant_fp8_ref(x, bk)  # per token: one quantization serves all K pairs
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    flat_weights = topk_weights.flatten().float()
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start : start + n]
-        start += n
-        tokens = pairs // top_k
-        h = _block_fp8_linear_ref(x_q[tokens], x_s[tokens], w13[e], w13_scale[e], bn, bk).to(x.dtype)
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        h_q, h_s = per_token_group_quant_fp8_ref(h, bk)
-        y = _block_fp8_linear_ref(h_q, h_s, w2[e], w2_scale[e], bn, bk)
-        out.index_add_(0, tokens, y * flat_weights[pairs, None])
-    return out.to(x.dtype)
+
+    def expert_mlp(e, tokens):
+        h = w8a8_block_fp8_matmul_ref(x_q[tokens], x_s[tokens], w13[e], w13_scale[e], (bn, bk), x.dtype)
+        h_q, h_s = per_token_group_quant_fp8_ref(F.silu(h[:, :inter]) * h[:, inter:], bk)
+        return w8a8_block_fp8_matmul_ref(h_q, h_s, w2[e], w2_scale[e], (bn, bk), torch.float32)
+
+    return _sum_over_experts(x, topk_weights, topk_ids, w13.shape[0], expert_mlp)
 
 
 
