@@ -26,7 +26,8 @@ pytest.importorskip("triton")
 from deepbatch.config import KV_CACHE_DTYPES  # noqa: E402
 from deepbatch.kernels import kv_quant  # noqa: E402
 from deepbatch.kernels.kv_quant import quantize_fp8_ref, quantize_int8_ref  # noqa: E402
-from deepbatch.kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_torch  # noqa: E402
+from deepbatch.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from deepbatch.kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
 from deepbatch.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
 from test_paged_attention import DECODES, MIXED, make_batch  # noqa: E402
 

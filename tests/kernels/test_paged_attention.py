@@ -23,8 +23,8 @@ from deepbatch.kernels.paged_attention import (  # noqa: E402
     _choose_kv_splits,
     paged_attention,
     paged_attention_ref,
-    paged_attention_torch,
 )
+from deepbatch.kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

@@ -23,8 +23,8 @@ from deepbatch.kernels.paged_attention import (  # noqa: E402
     first_key,
     paged_attention,
     paged_attention_ref,
-    paged_attention_torch,
 )
+from deepbatch.kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
 
 BS = 16
 # (q_len, seq_len): whole prompts shorter and longer than the windows, chunks that start before,
