@@ -15,6 +15,20 @@ TP="python3 -m deepbatch.bench.throughput --random-weights"
 # Memory under pressure: the KV pool capped at 4096 blocks (65,536 tokens), requests adding up to 2x.
 KV2X="$TP --workload kv-2x --model-config $M/qwen3-0.6b.json --num-gpu-blocks-override ${KV_BLOCKS:-4096}"
 
+# A copy of a config with edits (a Python statement on the dict `c`), for the format variants.
+derive() {
+  mkdir -p /tmp/derived
+  python3 -c "import json,sys; c=json.load(open(sys.argv[1])); $2; json.dump(c, open(sys.argv[3], 'w'))" \
+    "$M/$1.json" "$2" "/tmp/derived/$3.json"
+  echo "/tmp/derived/$3.json"
+}
+FP8_BLOCK='c["quantization_config"]={"quant_method":"fp8","activation_scheme":"dynamic","fmt":"e4m3","weight_block_size":[128,128]}'
+AWQ='c["quantization_config"]={"quant_method":"awq","bits":4,"group_size":128,"zero_point":True,"version":"gemm"}'
+
+# Request counts for the long workloads when a run must fit a time box (default: the whole workload).
+R1K_N=${R1K_REQUESTS:+--num-requests $R1K_REQUESTS}
+SEED_N=${SEED_REQUESTS:+--num-requests $SEED_REQUESTS}
+
 limit() { local v="T_$(echo "$1" | tr 'a-z-' 'A-Z_')"; echo "${!v:-$2}"; }
 stage() {
   local name=$1 secs; secs=$(limit "$1" "$2"); shift 2
@@ -66,9 +80,9 @@ run_stage() {
       --no-async-scheduling --output-json "$OUT/nano-x4-sync.json" ;;
     nano-x4-peer) stage nano-x4-peer 330 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --peers hf-static --peer-requests 64 --peer-batch-size 64 --output-json "$OUT/nano-x4-peer.json" ;;
-    random-1k) stage random-1k 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" \
+    random-1k) stage random-1k 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" $R1K_N \
       --output-json "$OUT/random-1k.json" ;;
-    seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" \
+    seed-table) stage seed-table 240 $TP --workload seed-table --model-config "$M/deepseek-r1-distill-qwen-7b.json" $SEED_N \
       --output-json "$OUT/seed-table.json" ;;
     mla-moe) stage mla-moe 300 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --num-requests ${MLA_REQUESTS:-1000} --peers hf-static --peer-requests ${MLA_PEER:-16} --peer-batch-size ${MLA_PEER:-16} \
@@ -81,6 +95,37 @@ run_stage() {
     kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
     kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;
     kv-2x-auto) stage kv-2x-auto 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --output-json "$OUT/kv-2x-auto.json" ;;
+    # Quantized KV cache and weights, each beside the plain run of the same workload.
+    kernels-quant) stage kernels-quant 240 python3 -m pytest -q -m gpu tests/kernels/test_fp8_quant.py \
+      tests/kernels/test_w8a8_fp8_gemm.py tests/kernels/test_fused_moe_fp8.py tests/kernels/test_w4a16_gemm.py \
+      tests/kernels/test_mla_kv_quant.py tests/kernels/test_kv_cache_quant.py tests/kernels/test_paged_attention_window.py ;;
+    quant-parity) stage quant-parity 200 python3 benchmarks/quant_parity.py --model-config "$M/qwen3-0.6b.json" \
+      --output-json "$OUT/quant-parity.json" ;;
+    nano-x4-kv-fp8|nano-x4-kv-int8) stage $1 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --kv-cache-dtype ${1#nano-x4-kv-} --output-json "$OUT/$1.json" ;;
+    mla-moe-plain) stage $1 240 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
+      --num-requests ${MLA_REQUESTS:-1000} --output-json "$OUT/$1.json" ;;
+    mla-moe-kv-fp8|mla-moe-kv-int8) stage $1 240 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
+      --num-requests ${MLA_REQUESTS:-1000} --kv-cache-dtype ${1#mla-moe-kv-} --output-json "$OUT/$1.json" ;;
+    mla-moe-fp8) stage $1 240 $TP --workload mla-moe --model-config "$(derive deepseek-v2-lite "$FP8_BLOCK" v2-lite-fp8)" \
+      --num-requests ${MLA_REQUESTS:-1000} --output-json "$OUT/$1.json" ;;
+    random-1k-fp8) stage $1 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" $R1K_N --quantization fp8 \
+      --output-json "$OUT/$1.json" ;;
+    random-1k-fp8-kv-fp8) stage $1 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" $R1K_N --quantization fp8 \
+      --kv-cache-dtype fp8 --output-json "$OUT/$1.json" ;;
+    random-1k-kv-fp8) stage $1 330 $TP --workload random-1k --model-config "$M/llama-3.1-8b.json" $R1K_N \
+      --kv-cache-dtype fp8 --output-json "$OUT/$1.json" ;;
+    seed-table-awq) stage $1 240 $TP --workload seed-table --model-config "$(derive deepseek-r1-distill-qwen-7b "$AWQ" r1-7b-awq)" $SEED_N \
+      --output-json "$OUT/$1.json" ;;
+    # DeepSeek-V3's layer shapes in its own FP8 format, cut to the first MoE layers so it fits one GPU.
+    v3-fp8) stage $1 300 $TP --workload mla-moe --num-requests ${V3_REQUESTS:-256} \
+      --model-config "$(derive deepseek-v3 "c['num_hidden_layers']=${V3_LAYERS:-6}; c.pop('auto_map', None)" v3-cut)" \
+      --output-json "$OUT/$1.json" ;;
+    # Sliding windows: mistral-7b with its 4,096-token window against the same config without it.
+    long-swa) stage $1 ${T_LONG:-500} $TP --workload long-swa --model-config "$M/mistral-7b.json" \
+      --num-requests ${LONG_REQUESTS:-1000} --output-json "$OUT/$1.json" ;;
+    long-swa-nowindow) stage $1 ${T_LONG:-500} $TP --workload long-swa --num-requests ${LONG_REQUESTS:-1000} \
+      --model-config "$(derive mistral-7b "c['sliding_window']=None" mistral-7b-nowindow)" --output-json "$OUT/$1.json" ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac
 }

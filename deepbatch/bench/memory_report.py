@@ -24,14 +24,22 @@ class KVSampler:
         self.every = every
         self.samples: list = []
         self._steps = 0
+        self.peak_running = 0
+        self.held_tokens_per_seq: list[float] = []  # KV tokens the running sequences hold, per sequence
         self._modes0 = dict(engine.scheduler.preemptor.num_preemptions_by_mode)
         self._step = engine.step
 
         def step(*args, **kwargs):
             out = self._step(*args, **kwargs)
             self._steps += 1
+            running = engine.scheduler.running
+            self.peak_running = max(self.peak_running, len(running))
             if self._steps % self.every == 0:
-                self.samples.append(engine.kv_cache.stats(engine.scheduler.running))
+                stats = engine.kv_cache.stats(running)
+                self.samples.append(stats)
+                if running:
+                    bs = engine.config.cache.block_size
+                    self.held_tokens_per_seq.append(stats.used_blocks * bs / len(running))
             return out
 
         engine.step = step
@@ -49,6 +57,11 @@ class KVSampler:
             "preemptions_swap": modes[SWAP],
             "preemptions_recompute": modes[RECOMPUTE],
             "kv_samples": len(self.samples),
+            "peak_running": self.peak_running,
+            # Blocks in use (prefix-cache hits shared between sequences count once) per running sequence.
+            "kv_tokens_held_per_seq_mean": (sum(self.held_tokens_per_seq) / len(self.held_tokens_per_seq)
+                                            if self.held_tokens_per_seq else 0.0),
+            "kv_tokens_held_per_seq_max": max(self.held_tokens_per_seq, default=0.0),
             "kv_peak": asdict(peak) if peak else None,
             "kv_mean_token_usage": sum(s.token_usage for s in busy) / len(busy) if busy else 0.0,
             "kv_mean_internal_fragmentation": sum(s.internal_fragmentation for s in busy) / len(busy) if busy else 0.0,
@@ -70,6 +83,8 @@ def format_memory(mem: dict) -> str:
                      f"{100 * mem['kv_mean_token_usage']:.1f}%, mean internal fragmentation "
                      f"{100 * mem['kv_mean_internal_fragmentation']:.1f}%")
     fin = mem["kv_final"]
+    lines.append(f"peak running sequences {mem['peak_running']}; KV tokens held per running sequence "
+                 f"{mem['kv_tokens_held_per_seq_mean']:,.0f} mean, {mem['kv_tokens_held_per_seq_max']:,.0f} max")
     lines.append(f"KV at the end: {fin['used_blocks']} used / {fin['free_blocks']} free blocks "
                  f"({fin['cached_free_blocks']} prefix-only), token usage {100 * fin['token_usage']:.1f}%")
     sw = mem["swap"]

@@ -28,8 +28,9 @@ import torch
 
 from deepbatch.bench.roofline import H200_FLOPS, model_cost, workload_ceiling
 from deepbatch.layers.quantization import get_quantization_config
+from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.bench.memory_report import KVSampler, format_memory
-from deepbatch.bench.workloads import WORKLOADS, make_workload
+from deepbatch.bench.workloads import KV_SIZED, WORKLOADS, make_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,12 +86,15 @@ def run(args: argparse.Namespace) -> dict:
 
     device = args.device or default_device()
     model = args.model_config or args.model
+    # Long enough for the workload's longest request (its lengths do not depend on the vocabulary;
+    # the KV-sized workloads use short requests).
+    longest = 0 if args.workload in KV_SIZED else make_workload(args.workload, 32000, args.num_requests).max_len
     llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
               enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode, mla_prefill=args.mla_prefill,
               fused_sampler=args.fused_sampler,
-              attention_backend=args.attention_backend, max_model_len=4096,
+              attention_backend=args.attention_backend, max_model_len=max(4096, longest),
               async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
               admission_max_delay_ms=args.admission_max_delay_ms,
               num_gpu_blocks_override=args.num_gpu_blocks_override, admission=args.admission,
@@ -140,7 +144,9 @@ def run(args: argparse.Namespace) -> dict:
                    kv_bytes_per_token=kv_bytes_per_token)
     # The roofline is the H200's; it means nothing for a CPU run.
     flops = H200_FLOPS * (quant.compute_speedup() if quant else 1.0)
-    ceiling = (workload_ceiling(cost, [len(p) for p in w.prompts], w.output_lens, flops=flops)
+    ceiling = (workload_ceiling(cost, [len(p) for p in w.prompts], w.output_lens, flops=flops,
+                                max_batch=args.max_num_seqs, window=kv_sliding_window(cfg),
+                                kv_capacity_tokens=engine.kv_cache.capacity_tokens)
                if device.startswith("cuda") else None)
     ours = {"name": "deepbatch", "seconds": dt, "requests": w.num_requests, "output_tokens": n_out,
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,

@@ -28,6 +28,11 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    @property
+    def max_len(self) -> int:
+        """The longest request's prompt plus output tokens."""
+        return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
+
     def head(self, n: int) -> "Workload":
         return Workload(self.name, self.prompts[:n], self.output_lens[:n], self.temperature)
 
@@ -69,7 +74,8 @@ def kv_multiple(name: str, factor: int, kv_capacity_tokens: int, vocab: int, pro
     return fixed(name, n, prompt_len, output_len, vocab)
 
 
-WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol", "kv-2x"]
+WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol", "kv-2x",
+             "long-swa", "long-prompt"]
 # Workloads sized from the engine's KV capacity (known only once the engine is built).
 KV_SIZED = {"kv-2x": 2}
 
@@ -92,6 +98,10 @@ def make_workload(name: str, vocab: int, num_requests: int | None = None,
         w = fixed(name, 1000, 1024, 128, vocab)
     elif name == "mla-moe":
         w = fixed(name, 1000, 1024, 512, vocab)
+    elif name == "long-swa":  # sliding-window configs (mistral-7b v0.1, window 4,096) with and without it
+        w = fixed(name, 1000, 8192, 512, vocab)
+    elif name == "long-prompt":  # long-context prefill: MLA's expanded path against a dense GQA model
+        w = fixed(name, 1000, 8192, 256, vocab)
     elif name == "prefix":
         w = shared_prefix(1000, 2048, 128, 128, vocab)
     elif name == "cpu-smol":

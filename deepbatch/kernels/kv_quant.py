@@ -232,7 +232,7 @@ def quantize_int8(x):
     y = x * inv[:, None]
     y = y + tl.where(y >= 0, 0.5, -0.5)
     q = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)  # the cast truncates toward zero
-    return q, absmax / 127.0
+    return q, tl.math.div_rn(absmax, tl.full(absmax.shape, 127.0, tl.float32))
 
 
 @_jit

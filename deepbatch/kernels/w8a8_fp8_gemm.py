@@ -281,6 +281,15 @@ def w8a8_block_fp8_matmul(
     return out
 
 
+def _scaled_mm_applies(x_q, x_s, w_q, w_s, out_dtype) -> bool:
+    """cuBLASLt's FP8 GEMM with row-wise scales (``torch._scaled_mm``) takes bf16 output, one
+    scale per token and per output channel, and K and N multiples of 16 on contiguous operands."""
+    (m, k), n = x_q.shape, w_q.shape[0]
+    return (hasattr(torch, "_scaled_mm") and x_q.is_cuda and out_dtype == torch.bfloat16 and m > 0
+            and k % 16 == 0 and n % 16 == 0 and x_s.numel() == m and w_s.numel() == n
+            and x_q.is_contiguous() and w_q.is_contiguous())
+
+
 def w8a8_channel_fp8_matmul(
     x_q: torch.Tensor,  # [M, K] e4m3
     x_s: torch.Tensor,  # [M, 1] float32 (or [1] per-tensor)
@@ -288,13 +297,24 @@ def w8a8_channel_fp8_matmul(
     w_s: torch.Tensor,  # [N, 1] or [N] float32 (or [1] per-tensor)
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,  # [N]
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Triton version of :func:`w8a8_channel_fp8_matmul_ref`."""
+    """:func:`w8a8_channel_fp8_matmul_ref` on the GPU. ``backend="auto"`` takes cuBLASLt's
+    row-wise-scaled FP8 GEMM (``torch._scaled_mm``) where it applies and the Triton kernel
+    elsewhere; ``"triton"`` forces the kernel. The library GEMM is the default because the Triton
+    kernel, with one tile table for every shape, ran Llama-3.1-8B's online-FP8 linears slower than
+    cuBLAS ran them in bf16 (``random-1k`` on an H200: 0.86x the bf16 run; docs/benchmarks.md)."""
     name = "w8a8_channel_fp8_matmul"
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"{name}: backend must be 'auto' or 'triton', got {backend!r}")
     _check_operands(name, x_q, x_s, w_q, w_s, out_dtype, _channel_scale_shapes, bias=bias)
     _check_last_dim(name, (("x_q", x_q), ("w_q", w_q), ("bias", bias)))
     require_native_fp8(name, x_q.device)
     (m, k), n = x_q.shape, w_q.shape[0]
+    if backend == "auto" and _scaled_mm_applies(x_q, x_s, w_q, w_s, out_dtype):
+        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s.reshape(m, 1).float(), scale_b=w_s.reshape(1, n).float(),
+                               out_dtype=out_dtype)
+        return out if bias is None else out.add_(bias)
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return out

@@ -55,3 +55,31 @@ def test_fp8_block_weights_take_one_byte_per_projection_weight(name):
     want = (total - other - kv_b) * bits / 8 + (other + kv_b) * 2
     assert got == pytest.approx(want, rel=2e-3)
     assert got < 0.6 * model_cost(cfg, 2).weight_bytes
+
+
+@pytest.mark.parametrize("n,window", [(1, None), (7, None), (7, 3), (7, 7), (7, 9), (100, 16)])
+def test_causal_pairs_count_what_a_windowed_causal_mask_keeps(n, window):
+    from deepbatch.bench.roofline import causal_pairs
+
+    q = torch.arange(n)[:, None]
+    k = torch.arange(n)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    assert causal_pairs(n, window) == int(mask.sum())
+
+
+def test_prefill_attention_window_and_kv_capacity_move_the_ceiling():
+    from dataclasses import replace
+
+    from deepbatch.bench.roofline import workload_ceiling
+
+    cost = model_cost(load("llama-3.1-8b"), 2)
+    # QK and PV: 2 * 2 * head_dim FLOPs per head and layer for each (query, key) pair.
+    assert cost.attn_flops_per_pair == 32 * 32 * 4 * 128
+    prompts, outs = [8192] * 64, [512] * 64
+    plain = workload_ceiling(cost, prompts, outs)
+    assert plain < workload_ceiling(replace(cost, attn_flops_per_pair=0.0), prompts, outs)
+    assert workload_ceiling(cost, prompts, outs, window=4096) > plain
+    # A pool of 16 full contexts runs 4 waves of 16 instead of one of 64: more weight reads.
+    assert workload_ceiling(cost, prompts, outs, kv_capacity_tokens=16 * 8704) < plain

@@ -327,3 +327,17 @@ def test_gpu_bf16_large_quantized(cache_dtype, kind):
     rel = (out - ref).norm() / ref.norm()
     assert rel < 2e-2, rel
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
+@pytest.mark.parametrize("splits", [1, 5])
+def test_bf16_queries_over_8_bit_caches_take_fp16_dots(cache_dtype, splits):
+    """A bf16 query meets an 8-bit cache in fp16 dots (exact widenings of both): it matches the
+    reference to the bf16 output's rounding (an ulp is 2**-8 relative)."""
+    torch.manual_seed(3)
+    lens = DECODES if splits > 1 else MIXED
+    batch, mql, msl, _ = quantized_batch(lens, 8, 2, 64, torch.bfloat16, cache_dtype, num_pad_rows=2)
+    out = _run_kernel(batch, mql, msl, num_kv_splits=splits)
+    num_owned = int(batch["query_start_loc"][-1].cpu())
+    torch.testing.assert_close(out[:num_owned].float(), paged_attention_ref(**ref_on_cpu(batch))[:num_owned],
+                               atol=2e-2, rtol=1e-2)

@@ -333,9 +333,10 @@ def test_gpu_bf16_large_block(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("m", [1, 16, 37, 64, 200, 512])
 @pytest.mark.parametrize("n, k", GPU_SHAPES, ids=str)
-def test_gpu_bf16_large_channel(m, n, k):
+def test_gpu_bf16_large_channel(m, n, k, backend):
     torch.manual_seed(m)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     x_q, x_s = per_token_group_quant_fp8(x, k)
@@ -344,7 +345,7 @@ def test_gpu_bf16_large_channel(m, n, k):
     w_s = random_scales((n, 1), g).cuda()
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") * 1e-3
     want = w8a8_channel_fp8_matmul_ref(x_q, x_s, w_q, w_s, torch.float32, bias)
-    got = w8a8_channel_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
+    got = w8a8_channel_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias, backend=backend)
     assert_matches(got, want.to(torch.bfloat16), torch.bfloat16)
-    got32 = w8a8_channel_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias)
+    got32 = w8a8_channel_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend=backend)
     assert ((got32 - want).norm() / want.norm()).item() < FP8_MMA_REL_ERR
