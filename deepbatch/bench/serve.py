@@ -28,6 +28,7 @@ except ImportError:  # some environments ship httpx only under its 2.x distribut
     import httpx2 as httpx  # type: ignore[no-redef]
 
 from deepbatch.bench import serve_plots
+from deepbatch.bench.serve_clients import run_sharded
 from deepbatch.bench.serve_metrics import (RequestResult, format_report, format_sweep, parse_goodput, per_request,
                                            plot_sweep, summarize)
 from deepbatch.bench.serve_workloads import WORKLOADS, RequestSpec, build_requests
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="shape of the gamma-distributed gaps: 1 is Poisson, <1 burstier, >1 more regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most N requests in flight")
+    p.add_argument("--num-client-processes", type=int, default=1,
+                   help="send from N processes (requests dealt round-robin, one start instant; each holds "
+                        "max-concurrency / N): for loads one process cannot parse fast enough")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take, end to end")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before the timed run")
@@ -171,7 +175,7 @@ async def send_request(client: httpx.AsyncClient, spec: RequestSpec, model: str,
     return res
 
 
-async def _run_once(client: httpx.AsyncClient, model: str, reqs: list[RequestSpec], args) -> tuple[list[RequestResult], float]:
+async def run_requests(client: httpx.AsyncClient, model: str, reqs: list[RequestSpec], args) -> tuple[list[RequestResult], float]:
     """Sends ``reqs`` at their offsets (one task each, so a slow request never delays the next
     send) and waits for all of them; returns the results in ``reqs`` order and the wall time."""
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -209,14 +213,18 @@ async def _run_once(client: httpx.AsyncClient, model: str, reqs: list[RequestSpe
     return list(results), duration
 
 
-async def _bench(args) -> dict:
-    slo = parse_goodput(args.goodput)
-    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+def make_client(args) -> httpx.AsyncClient:
     # No pool limit beyond the run's own: a pool queue would add its wait to every TTFT. Proxies
     # from the environment are ignored; the target is the server named, nothing in between.
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
-                                 trust_env=False) as client:
+    return httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout), limits=limits,
+                             trust_env=False)
+
+
+async def _bench(args) -> dict:
+    slo = parse_goodput(args.goodput)
+    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
+    async with make_client(args) as client:
         model, max_model_len = await _discover(client, args)
         config = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base_url": args.base_url,
                   "model": model, "workload": args.workload, "num_prompts": args.num_prompts, "seed": args.seed,
@@ -227,7 +235,10 @@ async def _bench(args) -> dict:
             reqs = build_requests(args, rate, max_model_len)
             for spec in reqs[:args.num_warmups]:
                 await send_request(client, spec, model, args)
-            results, duration = await _run_once(client, model, reqs, args)
+            if args.num_client_processes > 1:
+                results, duration = await asyncio.to_thread(run_sharded, args, model, reqs, args.num_client_processes)
+            else:
+                results, duration = await run_requests(client, model, reqs, args)
             summary = summarize(results, duration, slo)
             print(format_report(summary, args.workload, rate, args.max_concurrency), flush=True)
             errors = sorted({r.error for r in results if r.error})
@@ -248,6 +259,8 @@ async def _bench(args) -> dict:
 def _check(args) -> None:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be at least 1")
+    if args.num_client_processes < 1:
+        raise ValueError("--num-client-processes must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.timeout <= 0:

@@ -270,6 +270,30 @@ def test_requests_leave_on_the_seeded_schedule(fake, server_url):
     assert 24 / expected[-1] == pytest.approx(25.0, rel=0.6)  # 24 gaps of a Poisson process
 
 
+def test_client_processes_send_the_same_requests_on_one_schedule(fake, server_url):
+    fake.cfg = FakeConfig(itl=0.01)
+    argv = ["--num-prompts", "30", "--request-rate", "10", "--random-input-len", "6", "--random-output-len", "4",
+            "--random-range-ratio", "0.5", "--seed", "7", "--max-concurrency", "30"]
+    one = bench(server_url, *argv)
+    fake.records.clear()
+    fake.peak_active = 0
+    three = bench(server_url, *argv, "--num-client-processes", "3")
+    assert three["completed"] == 30 and three["failed"] == 0 and len(fake.records) == 30
+    # The results come back in the run's order: request i is the same request either way.
+    for key in ("prompt_len", "output_len", "output_tokens", "group"):
+        assert three["requests"][key] == one["requests"][key], key
+    assert len(set(one["requests"]["prompt_len"])) > 1
+    # One schedule for all three processes: request i leaves at its seeded offset (3 s in all; a
+    # process that kept its own clock, or re-based its share, would be off by whole gaps). Loose:
+    # three client processes, the server and the test share two cores.
+    expected = arrival_offsets(30, 10.0, 1.0, np.random.default_rng(7))
+    sent = np.array(three["requests"]["send_s"])
+    assert np.abs(sent - sent[0] - expected).max() < 0.35
+    seen = np.sort([x["time"] for x in fake.records])
+    assert np.abs(seen - seen[0] - expected).max() < 0.35
+    assert three["max_concurrency"] == 30 and fake.peak_active <= 30
+
+
 def test_max_concurrency_limits_requests_in_flight(fake, server_url, capsys):
     fake.cfg = FakeConfig(itl=0.03)
     r = bench(server_url, "--num-prompts", "12", "--max-concurrency", "3", "--random-output-len", "5")
@@ -342,6 +366,6 @@ def _has_matplotlib() -> bool:
 
 def test_bad_flags_are_rejected(server_url):
     for argv in (["--goodput", "ttft"], ["--goodput", "latency:5"], ["--sweep-rates", "1,x"],
-                 ["--plot", "x.png"], ["--num-prompts", "0"]):
+                 ["--plot", "x.png"], ["--num-prompts", "0"], ["--num-client-processes", "0"]):
         with pytest.raises(ValueError):
             bench(server_url, *argv)

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("triton")
 
 import deepbatch.sampling.sampler as sampler_mod  # noqa: E402
+from sm90_build import build_for_sm90  # noqa: E402
 from deepbatch.engine.request import Request  # noqa: E402
 from deepbatch.engine.sampling_params import SamplingParams  # noqa: E402
 from deepbatch.kernels.sample import _gumbel_max_kernel, counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
@@ -232,17 +233,9 @@ def test_compiled_reductions_are_order_free():
     the reordered tensor, not columns. So every reduction takes one operand; the indices come
     from a min over the columns that hold the max."""
     import json
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, cwd=root, capture_output=True, text=True)
-    if proc.returncode == 3:
-        pytest.skip("Triton has no NVIDIA backend")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    stdout = build_for_sm90(_COMPILE_SM90)
+    lines = dict(line.split(" ", 1) for line in stdout.splitlines())
     for dtype in ("fp32", "bf16"):
         operands = json.loads(lines[dtype])
         assert operands and all("," not in ops for ops in operands), operands
