@@ -222,6 +222,17 @@ def dequantize_ref(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
 
 
 @_jit
+def fp16_query(q):
+    """The query of a dot over 8-bit K/V (or latent) tiles, in fp16: those tiles widen to fp16
+    exactly (every int8, e4m3 and e5m2 value is an fp16 value), in one instruction per pair on
+    Hopper where bf16 takes several, and a bf16 query converts exactly within fp16's range, to
+    which it is clamped. fp16 and fp32 queries are returned as they are."""
+    if q.dtype == tl.bfloat16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
+
+
+@_jit
 def quantize_int8(x):
     """``(q int8 [R, C], scale fp32 [R])`` of ``x`` fp32 ``[R, C]`` (masked columns 0): the ops of
     :func:`quantize_int8_ref` in its order."""

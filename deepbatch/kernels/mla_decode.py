@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from deepbatch.kernels.kv_quant import check_latent_scale, dequantize_latent_ref, quant_limit
+from deepbatch.kernels.kv_quant import check_latent_scale, dequantize_latent_ref, fp16_query, quant_limit
 from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
 from deepbatch.kernels.common import (check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl,
                                       triton)
@@ -141,6 +141,9 @@ def _mla_attention_kernel(
     q_pe = tl.load(q_pe_ptr + (tok * stride_qpt + head * stride_qph)[:, None] + p_dims[None, :],
                    mask=row_valid[:, None] & p_ok[None, :], other=0.0)
     q_pos = tl.where(row_valid, context_len + q_tok, -1)
+    if KV_SCALED:  # fp16 dots over an 8-bit latent (kv_quant.fp16_query says why)
+        q_lat = fp16_query(q_lat)
+        q_pe = fp16_query(q_pe)
 
     # Keys past the tile's last query are invisible to all of its rows; the rest are cut into
     # ``num_splits`` ranges of whole tiles (trailing ranges may be empty).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.common import jit as _jit, max_shared_memory, tl, triton
-from deepbatch.kernels.kv_quant import quant_limit
+from deepbatch.kernels.kv_quant import fp16_query, quant_limit
 from deepbatch.kernels.mla_decode import _check_inputs
 
 # Heads per program: the N of both dots. The float32 accumulator is [R, BLOCK_H]; at R = 512 and
@@ -63,6 +63,9 @@ def _mla_decode_swap_ab_kernel(
                       mask=r_ok[:, None] & h_ok[None, :], other=0.0)
     q_pe_t = tl.load(q_pe_ptr + tok * stride_qpt + heads[None, :] * stride_qph + p_dims[:, None],
                      mask=p_ok[:, None] & h_ok[None, :], other=0.0)
+    if KV_SCALED:  # fp16 dots over an 8-bit latent (kv_quant.fp16_query says why)
+        q_lat_t = fp16_query(q_lat_t)
+        q_pe_t = fp16_query(q_pe_t)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl, triton
-from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, quant_mode
+from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, fp16_query, quant_mode
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
@@ -134,16 +134,13 @@ def _attend_kv_range(
     in log2 units (scores scaled by log2 e). ``kv_start`` need not be tile-aligned: tiles are
     ``TILE_N`` keys from it, and no key outside ``[kv_start, kv_end)`` is read.
     ``MASKED=False`` promises whole tiles that every row sees, and skips all masking.
-    ``KV_QUANT`` (``kernels/kv_quant.py``): 8-bit tiles are widened to fp16, which holds every
-    int8, e4m3 and e5m2 value exactly, and a bf16 query is converted to fp16 for the dots
-    (exactly, within fp16's range, to which it is clamped): Hopper widens fp8 to fp16 in one
-    instruction per pair where bf16 takes several, and with bf16 operands that conversion, not the
-    halved bytes, bounded a decode (1.6 TB/s of fp8 KV against 4.0 TB/s of bf16 on an H200,
-    ``benchmarks/attention_sweep.py --kv-cache-dtype fp8``). Mode 2 scales score columns by the
-    keys' scales and probabilities by the values' (mode 1's per-layer scales the caller folds in)."""
+    ``KV_QUANT`` (``kernels/kv_quant.py``): 8-bit tiles meet the query in fp16 dots
+    (``fp16_query``): with bf16 operands the widening, not the halved bytes, bounded a decode
+    (1.6 TB/s of fp8 KV against 4.0 TB/s of bf16 on an H200, ``benchmarks/attention_sweep.py
+    --kv-cache-dtype fp8``). Mode 2 scales score columns by the keys' scales and probabilities
+    by the values' (mode 1's per-layer scales the caller folds in)."""
     if KV_QUANT != 0:
-        if q.dtype == tl.bfloat16:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = fp16_query(q)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, TILE_N)
     for start in range(kv_start, kv_end, TILE_N):

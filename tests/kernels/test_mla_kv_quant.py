@@ -398,3 +398,18 @@ def test_gpu_bf16_deepseek_dims(cache_dtype, kind):
     rel = (out[rows] - ref[rows]).norm() / ref[rows].norm()
     assert rel < 2e-2, rel
     torch.testing.assert_close(out[rows], ref[rows], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=CACHE_IDS)
+@pytest.mark.parametrize("lens", ["mixed", "decodes"])
+def test_bf16_queries_over_quantized_latents_take_fp16_dots(cache_dtype, lens):
+    """bf16 queries meet 8-bit latents in fp16 dots (the one-pass kernel for mixed batches, the
+    swap-AB kernel for decodes): the reference's answer to the bf16 output's rounding."""
+    torch.manual_seed(5)
+    batch, mql, msl, _ = quantized_batch(MIXED if lens == "mixed" else DECODES, 4, 32, 8, torch.bfloat16, cache_dtype,
+                                         num_pad_rows=2)
+    ref = mla_attention_ref(**ref_on_cpu(batch), out=_poisoned(batch).cpu().float())
+    out = mla_attention(**batch, max_query_len=mql, max_seq_len=msl, num_kv_splits=1, out=_poisoned(batch)).cpu()
+    written = ~ref.isnan().all(-1)
+    assert written.any() and out.isnan().all(-1).equal(~written)
+    torch.testing.assert_close(out[written].float(), ref[written], atol=2e-2, rtol=1e-2)
