@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="long prompt tokens (capped by the server's max_model_len when it reports one)")
     p.add_argument("--hol-long-output-len", type=int, default=16)
     p.add_argument("--hol-long-every", type=float, default=5.0, help="seconds between long prompts")
+    p.add_argument("--burst-start-s", type=float, default=30.0, help="burst: when the rate goes up")
+    p.add_argument("--burst-duration-s", type=float, default=30.0, help="burst: for how long")
+    p.add_argument("--burst-factor", type=float, default=2.0, help="burst: the rate's multiple inside the window")
     p.add_argument("--tenant-ratio", type=float, default=10.0, help="heavy tenant's load / light tenant's load")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs per request, e.g. ttft:500 tpot:50 e2el:10000; goodput counts requests meeting all")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("random", "random-short", "hol", "tenants")
+WORKLOADS = ("random", "random-short", "hol", "tenants", "burst")
 
 # Tenant names sent in the `user` field and the X-Tenant-Id header.
 TENANT_HEAVY = "tenant-heavy"
@@ -96,6 +96,8 @@ def build_requests(args, rate: float, max_model_len: int | None = None) -> list[
         reqs = _hol_requests(args, arrivals, max_model_len, rng)
     elif args.workload == "tenants":
         reqs = _tenant_requests(args, arrivals, rng)
+    elif args.workload == "burst":
+        reqs = _burst_requests(args, rate, arrivals, rng)
     else:
         raise ValueError(f"unknown workload {args.workload!r}")
     return sorted(reqs, key=lambda r: r.arrival_s)
@@ -133,3 +135,32 @@ def _tenant_requests(args, arrivals: np.ndarray, rng: np.random.Generator) -> li
                             args.vocab_size, args.prompt_type, rng)
     return [RequestSpec(r.prompt, r.prompt_len, r.output_len, r.arrival_s, str(t), str(t))
             for r, t in zip(base, labels)]
+
+
+def burst_offsets(arrivals: np.ndarray, rate: float, start_s: float, duration_s: float, factor: float) -> np.ndarray:
+    """``arrivals`` of a process at ``rate`` re-timed so that the rate is ``factor`` times higher
+    during ``[start_s, start_s + duration_s)``: each arrival keeps its place in the cumulative
+    intensity (``rate * t``, which grows ``factor`` times faster inside the window), so a
+    Poisson process stays Poisson with the piecewise rate."""
+    if math.isinf(rate):
+        return arrivals
+    if factor <= 0 or duration_s < 0 or start_s < 0:
+        raise ValueError("--burst-factor must be positive, --burst-start-s and --burst-duration-s not negative")
+    x = arrivals * rate  # cumulative intensity at each arrival
+    x0, x1 = rate * start_s, rate * start_s + factor * rate * duration_s
+    return np.where(x < x0, x / rate,
+                    np.where(x < x1, start_s + (x - x0) / (factor * rate), start_s + duration_s + (x - x1) / rate))
+
+
+def _burst_requests(args, rate: float, arrivals: np.ndarray, rng: np.random.Generator) -> list[RequestSpec]:
+    """``random`` requests at ``rate``, except ``--burst-factor`` times that rate for
+    ``--burst-duration-s`` from ``--burst-start-s`` (the SLO controller's test: a load the
+    defaults carry, then a burst they do not). Requests are grouped "steady" and "burst" by
+    whether they arrive inside the window."""
+    end = args.burst_start_s + args.burst_duration_s
+    times = burst_offsets(arrivals, rate, args.burst_start_s, args.burst_duration_s, args.burst_factor)
+    base = _random_requests(len(times), args.random_input_len, args.random_output_len, args.random_range_ratio,
+                            times, args.vocab_size, args.prompt_type, rng)
+    return [RequestSpec(r.prompt, r.prompt_len, r.output_len, r.arrival_s,
+                        "burst" if args.burst_start_s <= r.arrival_s < end else "steady") for r in base]
+

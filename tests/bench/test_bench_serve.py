@@ -270,6 +270,30 @@ def test_requests_leave_on_the_seeded_schedule(fake, server_url):
     assert 24 / expected[-1] == pytest.approx(25.0, rel=0.6)  # 24 gaps of a Poisson process
 
 
+def test_burst_doubles_the_rate_inside_its_window_only():
+    from deepbatch.bench.serve_workloads import build_requests
+
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--workload", "burst", "--num-prompts", "6000", "--random-input-len", "4",
+                         "--random-output-len", "2", "--burst-start-s", "100", "--burst-duration-s", "50"])
+    reqs = build_requests(args, 10.0)
+    t = np.array([r.arrival_s for r in reqs])
+    assert (np.diff(t) >= 0).all()
+    before, inside = ((t >= 20) & (t < 100)).sum() / 80, ((t >= 100) & (t < 150)).sum() / 50
+    after = ((t >= 150) & (t < 400)).sum() / 250
+    assert before == pytest.approx(10, rel=0.15) and after == pytest.approx(10, rel=0.1)
+    assert inside == pytest.approx(20, rel=0.15)
+    assert {r.group for r in reqs if 100 <= r.arrival_s < 150} == {"burst"}
+    assert {r.group for r in reqs if not 100 <= r.arrival_s < 150} == {"steady"}
+    # The same prompts as the steady workload at the same seed: only the times move.
+    args.workload = "random"
+    plain = build_requests(args, 10.0)
+    assert [r.prompt for r in plain] == [r.prompt for r in reqs]
+    # The window takes 2 x 50 s of the steady stream's arrivals in 50 s: the run ends 50 s sooner.
+    assert t[-1] == pytest.approx(plain[-1].arrival_s - 50 * (2 - 1), rel=1e-9)
+
+
 def test_client_processes_send_the_same_requests_on_one_schedule(fake, server_url):
     fake.cfg = FakeConfig(itl=0.01)
     argv = ["--num-prompts", "30", "--request-rate", "10", "--random-input-len", "6", "--random-output-len", "4",
