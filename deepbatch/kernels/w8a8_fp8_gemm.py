@@ -17,6 +17,10 @@ sum of more than one K step (128 columns) is kept in float32 and only the result
 
       out[m, n] = (x_q[m] . w_q[n]) * x_s[m] * w_s[n]  (+ bias[n])
 
+The block-wise GEMM can also run in cuBLASLt (``backend="cublas"``: ``torch._scaled_mm`` with
+DeepSeek-style scaling, SM90 only), whose scale layouts are fixed (it takes no leading dimension
+for them; see :func:`cublas_block_operands`).
+
 On a GPU the fp8 tiles go to ``tl.dot`` as they are (Hopper and Ada tensor cores). Off CUDA the
 kernels run in the Triton interpreter, where ``UPCAST_DOT`` widens the tiles to float32 before the
 dot: whether the interpreter's ``tl.dot`` takes fp8 operands depends on the Triton version, and
@@ -31,6 +35,8 @@ import torch
 
 from deepbatch.kernels.common import jit as _jit, tl, triton
 from deepbatch.kernels.fp8_quant import FP8_DTYPE, check_block_size, require_native_fp8
+from deepbatch.kernels.fp8_scaled_mm import (cublas_block_fp8_matmul, cublas_block_unsupported, cublas_channel_applies,
+                                             cublas_channel_fp8_matmul)
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -256,14 +262,27 @@ def w8a8_block_fp8_matmul(
     w_s: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] float32
     block_size: tuple[int, int],  # (bn, bk); bk is the activation group size
     out_dtype: torch.dtype,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Triton version of :func:`w8a8_block_fp8_matmul_ref`. ``bk`` must be a multiple of 32 (the
-    K of one fp8 tensor-core instruction); ``bn`` may be anything."""
+    """:func:`w8a8_block_fp8_matmul_ref` on the GPU. ``backend="triton"`` runs the Triton kernel:
+    ``bk`` must be a multiple of 32 (the K of one fp8 tensor-core instruction), ``bn`` may be
+    anything. ``"cublas"`` runs cuBLASLt's DeepSeek-style GEMM and raises ValueError saying why
+    where it does not apply (128 x 128 blocks, N and K multiples of 128, bf16 out, CUDA on SM90, a
+    torch that has it). ``"auto"`` runs what ``BLOCK_AUTO_BACKEND`` names (cuBLASLt only where it
+    applies)."""
     name = "w8a8_block_fp8_matmul"
+    if backend not in ("auto", "triton", "cublas"):
+        raise ValueError(f"{name}: backend must be 'auto', 'triton' or 'cublas', got {backend!r}")
     bn, bk = _check_block_operands(name, x_q, x_s, w_q, w_s, block_size, out_dtype)
     if bk % 32:
         raise ValueError(f"{name}: block size bk={bk} must be a multiple of 32")
     _check_last_dim(name, (("x_q", x_q), ("w_q", w_q)))
+    if backend == "cublas" or (backend == "auto" and BLOCK_AUTO_BACKEND == "cublas"):
+        reason = cublas_block_unsupported(x_q, w_q, (bn, bk), out_dtype)
+        if reason is None:
+            return cublas_block_fp8_matmul(x_q, x_s, w_q, w_s, out_dtype)
+        if backend == "cublas":
+            raise ValueError(f"{name}: backend 'cublas' {reason}; backend 'triton' takes this call")
     require_native_fp8(name, x_q.device)
     (m, k), n = x_q.shape, w_q.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
@@ -281,15 +300,11 @@ def w8a8_block_fp8_matmul(
     return out
 
 
-def _scaled_mm_applies(x_q, x_s, w_q, w_s, out_dtype) -> bool:
-    """cuBLASLt's FP8 GEMM with row-wise scales (``torch._scaled_mm``) takes bf16 output, one
-    scale per token and per output channel, and K and N multiples of 16 on contiguous operands."""
-    (m, k), n = x_q.shape, w_q.shape[0]
-    return (hasattr(torch, "_scaled_mm") and x_q.is_cuda and out_dtype == torch.bfloat16 and m > 0
-            and k % 16 == 0 and n % 16 == 0 and x_s.numel() == m and w_s.numel() == n
-            and x_q.is_contiguous() and w_q.is_contiguous())
-
-
+# What ``backend="auto"`` runs for the block-wise GEMM: "triton", or "cublas" for cuBLASLt where it
+# applies (the Triton kernel elsewhere). The cuBLASLt path has not run on a GPU yet; switch once
+# ``tests/kernels/test_w8a8_fp8_gemm.py -m gpu`` passes on an H200 and the sweep's
+# ``fp8-block-cublas`` column beats ``fp8-block-triton``.
+BLOCK_AUTO_BACKEND = "triton"
 def w8a8_channel_fp8_matmul(
     x_q: torch.Tensor,  # [M, K] e4m3
     x_s: torch.Tensor,  # [M, 1] float32 (or [1] per-tensor)
@@ -311,9 +326,8 @@ def w8a8_channel_fp8_matmul(
     _check_last_dim(name, (("x_q", x_q), ("w_q", w_q), ("bias", bias)))
     require_native_fp8(name, x_q.device)
     (m, k), n = x_q.shape, w_q.shape[0]
-    if backend == "auto" and _scaled_mm_applies(x_q, x_s, w_q, w_s, out_dtype):
-        out = torch._scaled_mm(x_q, w_q.t(), scale_a=x_s.reshape(m, 1).float(), scale_b=w_s.reshape(1, n).float(),
-                               out_dtype=out_dtype)
+    if backend == "auto" and cublas_channel_applies(x_q, x_s, w_q, w_s, out_dtype):
+        out = cublas_channel_fp8_matmul(x_q, x_s, w_q, w_s, out_dtype)
         return out if bias is None else out.add_(bias)
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from deepbatch.kernels import w8a8_fp8_gemm  # noqa: E402
+from deepbatch.kernels import fp8_scaled_mm, w8a8_fp8_gemm  # noqa: E402
 from deepbatch.kernels.fp8_quant import (  # noqa: E402
     dequantize_fp8_blocks_ref,
     per_token_group_quant_fp8,
@@ -349,3 +349,130 @@ def test_gpu_bf16_large_channel(m, n, k, backend):
     assert_matches(got, want.to(torch.bfloat16), torch.bfloat16)
     got32 = w8a8_channel_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias, backend=backend)
     assert ((got32 - want).norm() / want.norm()).item() < FP8_MMA_REL_ERR
+
+
+# -- the cuBLASLt block-wise path -----------------------------------------------------------------
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def as_cublaslt_reads(a, scale_a, w_q, scale_b, m):
+    """The product computed from the buffers the way cuBLASLt reads them: from each scale tensor's
+    first element, at its own fixed pitches (activation scale (m, kb) at ``kb * M4 + m``, weight
+    scale (nb, kb) at ``nb * L4 + kb``), whatever strides the tensors claim."""
+    m4, k = a.shape
+    n, blocks = w_q.shape[0], k // 128
+    pitch = _round_up(blocks, 4)
+    sa = torch.as_strided(scale_a, (blocks * m4,), (1,)).view(blocks, m4).t()
+    sb = torch.as_strided(scale_b, (n // 128 * pitch,), (1,)).view(n // 128, pitch)[:, :blocks]
+    out = w8a8_block_fp8_matmul_ref(a, sa.contiguous(), w_q, sb.contiguous(), (128, 128), torch.float32)
+    return out[:m]
+
+
+# M off and on multiples of 4; K / 128 = 1, 5, 9 (not multiples of 4) and 4, 56; N over several
+# 128-row blocks, so a weight scale read at the wrong pitch lands on another block's scale.
+CUBLAS_LAYOUT_CASES = [(1, 256, 128), (3, 384, 640), (4, 256, 512), (37, 384, 1152), (130, 256, 7168)]
+
+
+@pytest.mark.parametrize("m, n, k", CUBLAS_LAYOUT_CASES, ids=str)
+def test_cublas_operands_as_cublaslt_reads_them(m, n, k):
+    x_q, x_s, w_q, w_s = block_operands(m, n, k, 128, 128, seed=m + k, device="cpu")
+    a, scale_a, scale_b = fp8_scaled_mm.cublas_block_operands(x_q, x_s, w_q, w_s)
+    assert a.shape == (_round_up(m, 4), k) and a.is_contiguous() and (a[m:].float() == 0).all()
+    want = w8a8_block_fp8_matmul_ref(x_q, x_s, w_q, w_s, (128, 128), torch.float32)
+    assert_matches(as_cublaslt_reads(a, scale_a, w_q, scale_b, m), want, torch.float32)
+
+
+@pytest.mark.skipif(fp8_scaled_mm.scaled_mm_v2() is None, reason="this torch has no torch.nn.functional.scaled_mm")
+@pytest.mark.parametrize("m, n, k", CUBLAS_LAYOUT_CASES, ids=str)
+def test_cublas_operands_pass_torchs_own_layout_checks(m, n, k):
+    # torch.nn.functional.scaled_mm on the meta device runs torch's checks of the DeepSeek scale
+    # layouts (shapes and strides, the L4 padding) without a GPU.
+    x_q, x_s, w_q, w_s = block_operands(m, n, k, 128, 128, device="meta")
+    a, scale_a, scale_b = fp8_scaled_mm.cublas_block_operands(x_q, x_s, w_q, w_s)
+    scaled_mm, recipe = fp8_scaled_mm.scaled_mm_v2()
+    out = scaled_mm(a, w_q.t(), scale_a, recipe.BlockWise1x128, scale_b, recipe.BlockWise128x128,
+                    output_dtype=torch.bfloat16)
+    assert out.shape == (_round_up(m, 4), n)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("block", "128 x 128 weight blocks"), ("n", "multiples of 128"), ("k", "multiples of 128"),
+    ("out-dtype", "bfloat16 only"), ("device", "needs CUDA tensors" if INTERPRET else "SM90|torch"),
+])
+def test_cublas_backend_says_why_it_does_not_apply(case, match):
+    m, n, k, block, out_dtype = 8, 256, 256, (128, 128), torch.bfloat16
+    if case == "block":
+        block = (64, 128)
+    elif case == "n":
+        n = 192
+    elif case == "k":
+        k = 320
+    elif case == "out-dtype":
+        out_dtype = torch.float16
+    x_q, x_s, w_q, w_s = block_operands(m, n, k, *block)
+    if case == "device" and w8a8_fp8_gemm.cublas_block_unsupported(x_q, w_q, block, out_dtype) is None:
+        pytest.skip("cuBLASLt's block-wise GEMM applies on this machine")
+    with pytest.raises(ValueError, match=f"backend 'cublas' .*({match})"):
+        w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, block, out_dtype, backend="cublas")
+
+
+def test_block_backend_name_is_checked():
+    x_q, x_s, w_q, w_s = block_operands(4, 128, 128, 128, 128)
+    with pytest.raises(ValueError, match="backend must be"):
+        w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.float32, backend="cutlass")
+
+
+def test_auto_backend_follows_the_switch(monkeypatch):
+    taken = []
+
+    def cublas_spy(x_q, x_s, w_q, w_s, out_dtype):
+        taken.append("cublas")
+        return w8a8_block_fp8_matmul_ref(x_q, x_s, w_q, w_s, (128, 128), out_dtype)
+
+    monkeypatch.setattr(w8a8_fp8_gemm, "cublas_block_fp8_matmul", cublas_spy)
+    monkeypatch.setattr(w8a8_fp8_gemm, "cublas_block_unsupported", lambda *args: None)
+    x_q, x_s, w_q, w_s = block_operands(5, 256, 256, 128, 128)
+    want = w8a8_block_fp8_matmul_ref(x_q, x_s, w_q, w_s, (128, 128), torch.float32)
+    assert w8a8_fp8_gemm.BLOCK_AUTO_BACKEND == "triton"
+    assert_matches(w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.float32), want, torch.float32)
+    assert taken == []
+    monkeypatch.setattr(w8a8_fp8_gemm, "BLOCK_AUTO_BACKEND", "cublas")
+    w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.float32)
+    assert taken == ["cublas"]
+    # Where cuBLASLt does not apply, "auto" falls back to the Triton kernel instead of refusing.
+    monkeypatch.setattr(w8a8_fp8_gemm, "cublas_block_unsupported", lambda *args: "does not apply")
+    got = w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.float32)
+    assert taken == ["cublas"]
+    assert_matches(got, want, torch.float32)
+
+
+# bf16 output rounding (2^-9 relative) dominates; a scale from the wrong block is off by far more.
+CUBLAS_REL_ERR = 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 130, 512, 1027])
+@pytest.mark.parametrize("n, k", [(4096, 7168), (7168, 2048), (2048, 512), (384, 1152), (256, 640)], ids=str)
+def test_gpu_cublas_block_matches_reference(m, n, k):
+    torch.manual_seed(m)
+    x_q, x_s = per_token_group_quant_fp8(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"), 128)
+    g = torch.Generator().manual_seed(n + k)
+    w_q = random_fp8(n, k, g).cuda()
+    w_s = random_scales((n // 128, k // 128), g).cuda()
+    reason = w8a8_fp8_gemm.cublas_block_unsupported(x_q, w_q, (128, 128), torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"cuBLASLt {reason}")
+    want = w8a8_block_fp8_matmul_ref(x_q, x_s, w_q, w_s, (128, 128), torch.float32)
+    got = w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16, backend="cublas")
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert_matches(got, want.to(torch.bfloat16), torch.bfloat16)
+    assert ((got.float() - want).norm() / want.norm()).item() < CUBLAS_REL_ERR
+    # Row-major activation scales (as the quantization kernel writes them) and column-major ones
+    # already in cuBLASLt's layout give the same product.
+    again = w8a8_block_fp8_matmul(x_q, x_s.t().contiguous().t(), w_q, w_s, (128, 128), torch.bfloat16,
+                                  backend="cublas")
+    assert torch.equal(got, again)

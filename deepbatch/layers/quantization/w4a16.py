@@ -21,6 +21,7 @@ significant bits.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deepbatch.layers.quantization.base import (
@@ -34,10 +35,25 @@ from deepbatch.layers.quantization.base import (
 )
 
 PACK = 8  # 4-bit values per int32 word
+# Tokens (rows of the activation) from which ``apply`` dequantizes the weight to the activation
+# dtype and multiplies with cuBLAS instead of running the fused 4-bit GEMM. With thousands of tokens
+# the GEMM is bound by the tensor cores, not by the weight read, and the fused kernel's prefill
+# tiles ran at 0.41-0.43x of cuBLAS bf16 on Llama-3.1-8B's shapes at M = 8192 (H200). 1024 is a
+# first guess, to be set by a sweep timed inside CUDA graphs (``benchmarks/quant_gemm_sweep.py
+# --graphs``, columns ``w4a16-triton`` and ``w4a16-dequant``); read at every call, so a sweep or a
+# test may override it.
+W4A16_DEQUANT_MIN_TOKENS = 1024
 # W = (q - 8) * s with q uniform in 0..15 has a standard deviation of about 4.6 s: 0.02 for this s.
 RANDOM_SCALE = 0.0043
 # How ``init_random`` fills a checkpoint tensor (the ``random_fill`` each one carries).
 RANDOM_BITS, RANDOM_SCALES = "bits", "scales"
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    """The Triton kernels on a GPU; the torch reference elsewhere (the CPU, CI)."""
+    from deepbatch.kernels.common import triton
+
+    return x.is_cuda and triton is not None
 
 
 def nibble_word(value: int) -> int:
@@ -136,10 +152,16 @@ class W4A16LinearMethod(LinearMethod):
 
         x2 = x.reshape(-1, x.shape[-1])
         g = self.layer_group_size(layer.in_features)
-        if x.is_cuda and w4a16_gemm.triton is not None:
-            y = w4a16_gemm.w4a16_matmul(x2.contiguous(), layer.qweight, layer.scales, layer.zeros, g)
-        else:
+        if not _use_kernels(x):
             y = w4a16_gemm.w4a16_matmul_ref(x2, layer.qweight, layer.scales, layer.zeros, g)
+        elif x2.shape[0] >= W4A16_DEQUANT_MIN_TOKENS:
+            from deepbatch.kernels.int4_dequant import dequantize_int4
+
+            # A scratch 16-bit weight from the caching allocator (inside a CUDA graph, from the
+            # graph's pool), freed once the product is done: no dequantized copy outlives the call.
+            y = F.linear(x2, dequantize_int4(layer.qweight, layer.scales, layer.zeros, g))
+        else:
+            y = w4a16_gemm.w4a16_matmul(x2.contiguous(), layer.qweight, layer.scales, layer.zeros, g)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def dequantize(self, layer):
