@@ -11,7 +11,8 @@
 thread, between steps. The event loop never waits on a step: it only appends to the inbox under
 a lock that is held for a few instructions. ``make_requests`` (validation, tokenization) reads
 only immutable engine state and runs in a thread pool, so a bad request fails synchronously,
-before anything is queued.
+before anything is queued; a structured-output grammar is compiled before that, in a worker
+thread (``prepare_structured_output``), and a grammar that cannot compile fails the same way.
 
 The waiting queue is bounded (``max_queued_requests`` sequences, ``max_queued_tokens`` prompt
 tokens). A request larger than a bound can never be accepted and is an InvalidRequestError; one
@@ -218,6 +219,11 @@ class AsyncEngine:
         self._ids.reserve([request_id for request_id, _ in prompts], params.n)
         try:
             arrival = time.monotonic() if arrival_time is None else arrival_time
+            if params.structured_outputs is not None:
+                # Compiling a grammar can take seconds: in a worker thread of its own (not the
+                # event loop, not the tokenizer pool), once for all prompts; the engine thread
+                # then finds it attached to the params.
+                params = await asyncio.to_thread(self.engine.prepare_structured_output, params)
             made = [await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant,
                                         arrival) for request_id, prompt in prompts]
             num_tokens = sum(len(requests[0].prompt_token_ids) * len(requests) for requests in made)

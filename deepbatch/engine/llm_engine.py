@@ -17,6 +17,8 @@ A request's token from step N is *pending* while step N+1 is scheduled: it count
 step N+1 reads its id on the device, and ``commit`` fills it in. A request that stops at step N
 (EOS, stop string) was already scheduled in N+1: that one extra token is computed and dropped.
 Requests whose sampler needs their full history on the host (penalties) run synchronously.
+Structured outputs do not: the sampler reads a constrained row's pending token from the step that
+sampled it before it fills that row's grammar bitmask (``structured_output/``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from deepbatch.sampling.sampler import PendingSample, SamplerOutput
 from deepbatch.scheduler.controller import make_controller
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
+from deepbatch.structured_output.grammar import GrammarCache
+from deepbatch.structured_output.matcher import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,8 @@ class LLMEngine:
         self._last_commit = 0.0
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
+        # Compiled grammars over the logits' width; xgrammar is imported on the first use.
+        self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
         self._ids = itertools.count()
@@ -206,15 +212,26 @@ class LLMEngine:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        grammar = self.grammars.prepare(params)  # compiled here unless attached by prepare_structured_output
         params = replace(params, _eos_token_ids=self.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         out = []
         for i in range(params.n):
             # Samples share the seed; the sampler keys each one's random stream by its index.
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            # Each sample follows the grammar with its own matcher.
+            matcher = (StructuredOutputRequest(grammar, params.structured_outputs.start_after_token_ids)
+                       if grammar is not None else None)
             out.append(Request(rid, ids, params, max_tokens, arrival_time=arrival, priority=priority,
-                               tenant=tenant, prompt=text, parent_id=request_id, index=i))
+                               tenant=tenant, prompt=text, parent_id=request_id, index=i,
+                               structured_output=matcher))
         return out
+
+    def prepare_structured_output(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its grammar compiled and attached, so that ``make_requests`` does not
+        compile; the async engine runs this in a worker thread. Raises ``GrammarCompileError``."""
+        grammar = self.grammars.prepare(params)
+        return params if grammar is None else replace(params, _compiled_grammar=grammar)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -347,6 +364,14 @@ class LLMEngine:
                 r.stop_reason = stop
                 self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
                 finished = True
+            if not r.is_finished and r.structured_output is not None:
+                error = r.structured_output.advance(r.output_token_ids)
+                if error is not None:
+                    self._fail_request(r, error)
+                    continue
+                if r.structured_output.is_terminated:  # the grammar took a stop token: complete
+                    self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished = True
             if finished:
                 self._on_finished(r)
                 done.append(r)
@@ -366,6 +391,9 @@ class LLMEngine:
 
     def _on_finished(self, r: Request) -> None:
         self.runner.forget(r.request_id)
+        if r.structured_output is not None:
+            r.structured_output.release()
+            r.structured_output = None
         self._num_sync_only -= r.sampling_params.needs_penalties
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1

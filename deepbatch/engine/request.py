@@ -79,6 +79,9 @@ class Request:
     # Detokenized output and the incremental decoder's state (owned by the engine's detokenizer).
     output_text: str = ""
     detok_state: object | None = field(default=None, repr=False)
+    # The grammar's matcher state (``structured_output.matcher.StructuredOutputRequest``) while the
+    # request runs with structured outputs; dropped when it finishes.
+    structured_output: object | None = field(default=None, repr=False)
 
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

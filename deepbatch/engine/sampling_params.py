@@ -2,15 +2,77 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-
 
 from deepbatch.engine.errors import InvalidRequestError
 
 
 class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range; ``param`` names it."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (compiled with xgrammar by the engine). Exactly one of
+    ``json``, ``json_object``, ``regex``, ``choice`` and ``grammar`` is set."""
+
+    json: dict | str | None = None  # a JSON schema (dict, or its JSON text)
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # kept as a tuple, so the params stay hashable
+    grammar: str | None = None  # EBNF as xgrammar reads it
+    disable_any_whitespace: bool = False
+    # The grammar applies only once the output holds this token sequence (a reasoning parser's
+    # end-of-thinking token, e.g. the id of "</think>"); before it sampling is unconstrained.
+    start_after_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise SamplingParamsError("structured_outputs", msg)
+
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                bad(f"json_object must be a boolean, got {self.json_object!r}")
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            bad("exactly one of json, json_object, regex, choice and grammar must be set, got "
+                + (", ".join(kinds) if kinds else "none"))
+        if self.json is not None:
+            schema = self.json
+            try:
+                schema = json.loads(schema) if isinstance(schema, str) else json.loads(json.dumps(schema))
+            except (TypeError, ValueError) as e:  # not JSON text, or a dict holding non-JSON values
+                bad(f"json is not a valid JSON schema: {e}")
+            if not isinstance(schema, dict):
+                bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                bad("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                bad("choice must hold strings only")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad(f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}")
+        ids = self.start_after_token_ids
+        if ids is None or isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            bad("start_after_token_ids must be a sequence of token ids")
+        ids = tuple(ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            bad("start_after_token_ids must be token ids >= 0")
+        object.__setattr__(self, "start_after_token_ids", ids)
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass
@@ -33,8 +95,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the model's generation config; not user-facing.
     _eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    # The engine's compiled grammar for ``structured_outputs``, attached before the request is
+    # queued so that the engine thread never compiles; not user-facing.
+    _compiled_grammar: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +155,8 @@ class SamplingParams:
                     bad("logit_bias", f"keys must be token ids >= 0, got {k!r}")
                 if not _is_number(v) or not (-100.0 <= v <= 100.0):
                     bad("logit_bias", f"values must be in [-100, 100], got {v!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

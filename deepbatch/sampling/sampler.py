@@ -1,8 +1,10 @@
 """Logits -> next tokens, on the device, for the whole batch at once.
 
-Order of operations (vLLM's): logit bias -> min_tokens (ban EOS/stop ids) -> penalties ->
-logprobs (of the processed logits, before temperature) -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
+Order of operations (vLLM's): grammar bitmask (structured outputs; ``structured_output/``) ->
+logit bias -> min_tokens (ban EOS/stop ids; a constrained row's ban is in its bitmask) ->
+penalties -> logprobs (of the processed logits, before temperature, so a constrained row's are
+over the tokens its grammar allows) -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
 samples from ``p`` without a host sync; seeded requests take their ``q`` row from a pure
 function of (seed, choice, output position) (``seeded_noise.py``), so their output does not
 depend on what else is in the batch, on preemption or on the device.
@@ -28,6 +30,7 @@ from deepbatch.engine.request import Request
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.sampling.seeded_noise import seeded_exponential
+from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +142,13 @@ class Sampler:
         # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
         # logits ends that request, whatever token the NaN would have turned into.
         nan_rows = torch.isnan(logits).any(dim=-1)
+        # Host work (matchers, bitmask fill) while the device still runs the forward.
+        apply_grammar_bitmask(logits, requests)
         try:
             sampled, logprobs = self._sample_batch(logits, requests)
-            return PendingSample(sampled, logprobs, params, None, nan_rows)
+            pending = PendingSample(sampled, logprobs, params, None, nan_rows)
+            remember_samples(pending, requests)
+            return pending
         except Exception as batch_error:  # noqa: BLE001 - isolated per row below
             logger.warning("sampling a batch of %d failed (%s: %s); sampling its rows one by one",
                            len(requests), type(batch_error).__name__, batch_error)
@@ -157,7 +164,9 @@ class Sampler:
         logprobs = None
         if any(p.logprobs is not None for p in params):
             logprobs = torch.cat([lp if lp is not None else torch.zeros_like(logits[:1]) for lp in row_logprobs])
-        return PendingSample(torch.cat(rows), logprobs, params, errors, nan_rows)
+        pending = PendingSample(torch.cat(rows), logprobs, params, errors, nan_rows)
+        remember_samples(pending, requests)
+        return pending
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = [r.sampling_params for r in requests]
@@ -211,7 +220,9 @@ class Sampler:
         rows, cols = [], []
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            # A row its grammar masked this step has its min_tokens ban in that mask.
+            masked = r.structured_output is not None and r.structured_output.constrains_next_token
+            if r.num_output_tokens < p.min_tokens and not masked:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 for tok in banned:
                     rows.append(i), cols.append(tok)

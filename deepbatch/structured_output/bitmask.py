@@ -1,0 +1,105 @@
+"""The per-step token bitmask: filled on the host, applied to the logits on the device.
+
+The sampler calls ``apply_grammar_bitmask`` after the step's forward is queued, so the host fill
+overlaps the forward; the bitmask then travels to the device (pinned, non-blocking) and masks
+the logits before anything else can pick a token (bias, penalties, logprobs, sampling). Bit ``j``
+of word ``w`` in a row allows token ``32 * w + j`` (xgrammar's layout).
+
+A constrained row still under ``min_tokens`` has its EOS / stop ids cleared in its bitmask
+(instead of the sampler's own ban), unless the grammar allows nothing else there: the grammar
+wins, since a token it forbids would break the output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from deepbatch.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[int]:
+    """Mask ``logits`` (``[len(requests), V]``, in place) where a request's grammar forbids a
+    token; returns the rows masked. Brings each matcher up to the request's newest token first
+    (reading a pending one from the step that sampled it). A row whose matcher fails is left
+    unmasked with the error on its state: the engine ends that request at commit."""
+    rows = []
+    for i, r in enumerate(requests):
+        so = r.structured_output
+        if so is None:
+            continue
+        so.advance(r.output_token_ids)
+        if so.constrains_next_token:
+            rows.append(i)
+    if not rows:
+        return set()
+    words = (logits.shape[1] + 31) // 32
+    bitmask = torch.full((len(requests), words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+    masked = set()
+    for i in rows:
+        r = requests[i]
+        try:
+            r.structured_output.fill_bitmask(bitmask, i)
+        except Exception as e:  # noqa: BLE001 - one request's grammar fault ends that request alone
+            r.structured_output.error = f"structured outputs failed: {type(e).__name__}: {e}"[:500]
+            bitmask[i] = -1
+            continue
+        _ban_until_min_tokens(bitmask[i], r)
+        masked.add(i)
+    if masked:
+        apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), sorted(masked))
+    return masked
+
+
+def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
+    p = r.sampling_params
+    if r.num_output_tokens >= p.min_tokens:
+        return
+    banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+    banned = [t for t in banned if t < row.shape[0] * 32]
+    if not banned:
+        return
+    kept = row.numpy().view(np.uint32).copy()  # the host row: unsigned, so bit 31 is plain
+    for t in banned:
+        kept[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    if kept.any():
+        row.copy_(torch.from_numpy(kept.view(np.int32)))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[i, t]`` to -inf for each row ``i`` in ``rows`` whose bitmask clears bit ``t``.
+    xgrammar's kernel (C++ on the CPU, Triton on a GPU) where it takes the logits; the unpacked
+    mask through torch otherwise."""
+    if logits.dtype == torch.float32 and (logits.is_cuda or logits.device.type == "cpu"):
+        from deepbatch.structured_output.grammar import import_xgrammar
+
+        try:
+            import_xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+            return
+        except Exception as e:  # noqa: BLE001 - e.g. no Triton for this GPU: the torch path is exact too
+            logger.debug("xgrammar's bitmask kernel is unavailable (%s); masking through torch", e)
+    apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    index = torch.tensor(rows, device=logits.device)
+    allowed = unpack_bitmask(bitmask.index_select(0, index), logits.shape[1])
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, words]`` int32 -> ``[rows, vocab_size]`` bool (True: allowed)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def remember_samples(pending, requests: list[Request]) -> None:
+    """Tell each structured request which step row holds its newest (maybe pending) token."""
+    for i, r in enumerate(requests):
+        if r.structured_output is not None:
+            r.structured_output.last_sample = (pending, i)

@@ -1,0 +1,177 @@
+"""The bitmask's device apply against xgrammar's kernel and a per-bit reference, the min_tokens
+fold, and the matcher's bookkeeping: pending tokens, rejected tokens, replay, start_after."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import xgrammar
+
+from deepbatch.engine.request import PENDING_TOKEN
+from deepbatch.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from deepbatch.sampling.sampler import SamplerOutput
+from deepbatch.structured_output.bitmask import (_ban_until_min_tokens, apply_bitmask, apply_bitmask_torch,
+                                                 apply_grammar_bitmask, unpack_bitmask)
+from deepbatch.structured_output.grammar import GrammarCache
+from deepbatch.structured_output.matcher import StructuredOutputRequest
+
+
+def reference_mask(logits, bitmask, rows):
+    out = logits.clone()
+    for i in rows:
+        for t in range(logits.shape[1]):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                out[i, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab", [64, 1000])
+def test_torch_and_xgrammar_apply_match_a_per_bit_reference(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31, (4, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1, -1] = -2**31  # only bit 31 of the last word: the sign bit
+    logits = torch.randn(4, vocab, generator=g)
+    rows = [0, 1, 3]  # row 2 is unconstrained and must stay as it was
+    expected = reference_mask(logits, bitmask, rows)
+    for apply in (apply_bitmask_torch, apply_bitmask):
+        got = logits.clone()
+        apply(got, bitmask, rows)
+        assert torch.equal(got, expected), apply.__name__
+    unpacked = unpack_bitmask(bitmask, vocab)
+    assert torch.equal(~unpacked[rows], torch.isinf(expected[rows]))
+
+
+def row_of(allowed: list[int], words: int = 4) -> torch.Tensor:
+    row = torch.zeros(words, dtype=torch.int32)
+    for t in allowed:
+        row[t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+    return row
+
+
+def fake_request(num_output_tokens, **params):
+    return SimpleNamespace(num_output_tokens=num_output_tokens,
+                           sampling_params=SamplingParams(**params, _eos_token_ids=frozenset({2, 31})))
+
+
+def allowed_of(row):
+    return set(unpack_bitmask(row.unsqueeze(0), 128)[0].nonzero().flatten().tolist())
+
+
+def test_min_tokens_clears_eos_and_stop_ids_unless_the_grammar_allows_nothing_else():
+    row = row_of([2, 31, 40, 63, 90])
+    _ban_until_min_tokens(row, fake_request(1, min_tokens=3, stop_token_ids=[63]))
+    assert allowed_of(row) == {40, 90}
+    row = row_of([2, 31, 40])
+    _ban_until_min_tokens(row, fake_request(1, min_tokens=3, ignore_eos=True))
+    assert allowed_of(row) == {2, 31, 40}  # EOS is not a stop with ignore_eos
+    row = row_of([2, 31])
+    _ban_until_min_tokens(row, fake_request(0, min_tokens=3))
+    assert allowed_of(row) == {2, 31}  # only EOS may follow: the grammar wins over min_tokens
+    row = row_of([2, 40])
+    _ban_until_min_tokens(row, fake_request(3, min_tokens=3))
+    assert allowed_of(row) == {2, 40}
+
+
+@pytest.fixture(scope="module")
+def grammars(smollm_llm):
+    e = smollm_llm.engine
+    return GrammarCache(e.tokenizer, e.hf_config.vocab_size, e.eos_token_ids), e.tokenizer
+
+
+class FakeStep:
+    """A launched step's sampled ids, as the sampler's PendingSample resolves them."""
+
+    def __init__(self, token_ids, errors=None):
+        self.out = SamplerOutput(token_ids, None, errors)
+
+    def resolve(self):
+        return self.out
+
+
+def bits(state, vocab):
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    state.fill_bitmask(bitmask, 0)
+    return bitmask
+
+
+def test_matcher_reads_a_pending_token_from_its_step(grammars):
+    cache, tok = grammars
+    ids = tok.encode("12345", add_special_tokens=False)
+    state = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"\d{5}")))
+    assert state.advance(ids[:-1]) is None and state.num_seen == len(ids) - 1
+    state.last_sample = (FakeStep([99, ids[-1]]), 1)
+    assert state.advance(ids[:-1] + [PENDING_TOKEN]) is None and state.num_seen == len(ids)
+    assert state.matcher.is_completed() and not state.is_terminated
+    # The commit finds the token already seen; EOS then terminates the grammar.
+    assert state.advance(ids) is None and state.num_seen == len(ids)
+    assert state.advance(ids + [2]) is None and state.is_terminated and not state.constrains_next_token
+
+
+def test_pending_token_of_a_failed_row_is_left_for_the_commit(grammars):
+    cache, _ = grammars
+    state = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"\d+")))
+    state.last_sample = (FakeStep([7], errors={0: "NaN logits"}), 0)
+    assert state.advance([PENDING_TOKEN]) is None and state.num_seen == 0 and state.error is None
+
+
+def test_rejected_token_is_the_requests_error(grammars):
+    cache, tok = grammars
+    state = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"\d+")))
+    error = state.advance(tok.encode("x", add_special_tokens=False))
+    assert error is not None and "does not continue the regex grammar" in error
+    assert not state.constrains_next_token
+
+
+def test_shorter_output_replays_the_tokens_kept(grammars):
+    cache, tok = grammars
+    grammar = cache.compile(StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}}))
+    ids = tok.encode("[12, 3", add_special_tokens=False)
+    state = StructuredOutputRequest(grammar)
+    state.advance(ids)
+    kept = ids[:2]
+    state.advance(kept)
+    fresh = StructuredOutputRequest(grammar)
+    fresh.advance(kept)
+    assert state.num_seen == 2
+    assert torch.equal(bits(state, cache.vocab_size), bits(fresh, cache.vocab_size))
+
+
+def test_start_after_frees_the_prefix_and_starts_fresh(grammars):
+    cache, tok = grammars
+    grammar = cache.compile(StructuredOutputsParams(regex=r"[0-9]+"))
+    marker = tok.encode("</think>", add_special_tokens=False)
+    assert len(marker) > 1
+    state = StructuredOutputRequest(grammar, tuple(marker))
+    free = tok.encode("hello </ think", add_special_tokens=False)
+    assert state.advance(free + marker[:1]) is None and not state.constrains_next_token
+    assert state.advance(free + marker) is None and state.constrains_next_token
+    digits = tok.encode("42", add_special_tokens=False)
+    assert state.advance(free + marker + digits) is None
+    fresh = StructuredOutputRequest(grammar)
+    fresh.advance(digits)
+    assert torch.equal(bits(state, cache.vocab_size), bits(fresh, cache.vocab_size))
+    assert state.advance(free + marker + digits + marker) is not None  # the grammar holds from there on
+
+
+def test_apply_grammar_bitmask_masks_only_constrained_rows(grammars):
+    cache, tok = grammars
+    vocab = cache.vocab_size
+
+    def request(state, output=()):
+        return SimpleNamespace(structured_output=state, output_token_ids=list(output), num_output_tokens=len(output),
+                               sampling_params=SamplingParams(_eos_token_ids=frozenset(cache.stop_token_ids)))
+
+    digits = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"[0-9]{2}")))
+    waiting = StructuredOutputRequest(digits.grammar, (5,))
+    broken = StructuredOutputRequest(digits.grammar)
+    requests = [request(None), request(digits, tok.encode("7", add_special_tokens=False)), request(waiting),
+                request(broken, tok.encode("a", add_special_tokens=False))]
+    logits = torch.zeros(4, vocab)
+    assert apply_grammar_bitmask(logits, requests) == {1}
+    allowed = (~torch.isinf(logits[1])).nonzero().flatten().tolist()
+    assert allowed and all(tok.decode([t]).isdigit() for t in allowed)
+    assert not torch.isinf(logits[[0, 2, 3]]).any()
+    assert broken.error is not None and digits.error is None
