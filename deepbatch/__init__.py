@@ -8,9 +8,9 @@ import os as _os
 # 18.8 ms spinning vs 4.6 ms passive). It only takes effect if torch is not imported yet.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from deepbatch.engine.errors import EngineDeadError, InvalidRequestError  # noqa: E402
-from deepbatch.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from deepbatch.engine.sampling_params import SamplingParams  # noqa: E402
+from deepbatch.core.errors import EngineDeadError, InvalidRequestError  # noqa: E402
+from deepbatch.core.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from deepbatch.core.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -107,7 +107,7 @@ class SchedulerConfig:
     # and a watermark, fit the free blocks, so running requests are rarely preempted.
     admission: str = "greedy"
     kv_watermark: float = 0.01  # fraction of all blocks kept free at admission
-    # p99 latency targets of the SLO controller (scheduler/controller.py); either one turns it on.
+    # p99 latency targets of the SLO controller (control/controller.py); either one turns it on.
     # It moves max_num_seqs and max_num_batched_tokens at run time, never above the values above.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None

@@ -16,8 +16,8 @@ from deepbatch import envs
 from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, default_device,
                               resolve_dtype)
 from deepbatch.engine.llm_engine import LLMEngine
-from deepbatch.engine.outputs import RequestOutput
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.outputs import RequestOutput
+from deepbatch.core.sampling_params import SamplingParams
 
 
 class LLM:

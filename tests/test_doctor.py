@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepbatch.doctor import cgroup_memory, check_swap_space, host_memory
+from deepbatch.kv_cache.host_memory import cgroup_memory, check_swap_space, host_memory
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism: the rank's process group and its collectives (``parallel_state``,
-``communication``), the step messages rank 0 sends (``messages``), the worker process
-(``worker``), rank 0's executor that drives the workers (``executor``) and the watchdog that turns
-a lost worker into a dead engine (``watchdog``)."""
+"""Tensor-parallel primitives: the rank's process group and its collectives (``parallel_state``,
+``communication``) and the step messages rank 0 sends its workers (``messages``). Low in the
+layering: layers reduce over the group. The worker process is ``runner/worker.py``; rank 0's
+executor, the worker launch and the watchdog are ``deepbatch/executor/``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepbatch.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from deepbatch.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

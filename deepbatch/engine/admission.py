@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from deepbatch.engine.errors import InvalidRequestError
+from deepbatch.core.errors import InvalidRequestError
 
 # Retry-After: the drain rate is measured over this much recent time; before anything has been
 # measured a retry is suggested after the fallback; no suggestion exceeds the cap.

@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from deepbatch.engine.admission import QueueBounds, QueueFullError, RequestIds
-from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
-from deepbatch.engine.outputs import RequestOutput
+from deepbatch.core.errors import EngineDeadError, InvalidRequestError
+from deepbatch.core.outputs import RequestOutput
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot, waiting_tokens
 
 __all__ = ["AsyncEngine", "EngineDrainingError", "Observer", "QueueFullError"]

@@ -7,7 +7,7 @@ of the text that the newest chunk could have completed.
 
 from __future__ import annotations
 
-from deepbatch.engine.request import Request
+from deepbatch.core.request import Request
 
 
 class Detokenizer:

@@ -1,10 +1,11 @@
-"""The engine: validate and enqueue requests; each ``step`` is schedule -> execute -> update.
+"""The engine: validate and enqueue requests; each ``step`` schedules, launches and commits.
 
     add_request -> Request(s) on the scheduler's waiting queue
     step:       out = scheduler.schedule()
-                sampled = runner.execute(out)
-                finished = scheduler.update(out, sampled)     # EOS, stop ids, lengths
-                detokenize, stop strings, outputs, stats       # hang off update
+                pending = runner.launch(out)                  # forward + sampling, not waited for
+                scheduler.advance(out)                        # counters move on
+                _commit(out, pending)                         # sampled ids: EOS, stop ids, lengths,
+                                                              # detokenize, stop strings, stats
 
 With async scheduling (the default on a GPU) the host schedules and launches step N+1 before it
 waits for step N's sampled ids, so scheduling, batch building and output handling overlap the
@@ -29,12 +30,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from deepbatch.config import EngineConfig
-from deepbatch.doctor import check_swap_space
+from deepbatch.kv_cache.host_memory import check_swap_space
 from deepbatch.engine.detokenizer import Detokenizer
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepbatch.engine.request import Request, RequestStatus
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.config_checks import kv_sliding_window
@@ -42,9 +43,10 @@ from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer,
 from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.sampler import PendingSample, SamplerOutput
-from deepbatch.scheduler.controller import make_controller
+from deepbatch.control.controller import make_controller
 from deepbatch.scheduler.preemption import Preemptor
-from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
+from deepbatch.scheduler.scheduler import Scheduler
+from deepbatch.core.scheduler_output import SchedulerOutput
 from deepbatch.structured_output.grammar import GrammarCache
 from deepbatch.structured_output.matcher import StructuredOutputRequest
 
@@ -72,7 +74,7 @@ class LLMEngine:
         if self.max_model_len > native_len:
             logger.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len, native_len)
         if config.parallel.tensor_parallel_size > 1:
-            from deepbatch.distributed.executor import TensorParallelExecutor
+            from deepbatch.executor.tensor_parallel import TensorParallelExecutor
 
             # Rank 0's shard plus worker processes behind the runner's interface.
             self.runner = TensorParallelExecutor(config, self.source, self.hf_config, self.max_model_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deepbatch.engine.outputs import RequestOutput
+from deepbatch.core.outputs import RequestOutput
 
 
 class RequestStream:

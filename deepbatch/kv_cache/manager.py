@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from deepbatch.engine.request import Request
+from deepbatch.core.request import Request
 from deepbatch.kv_cache.block_pool import BlockPool
 
 _ROOT_HASH = 0

@@ -21,7 +21,7 @@ from torch import nn
 from deepbatch.kernels.kv_quant import FP8_DTYPES, SCALE_DTYPE, quant_mode
 from deepbatch.kernels.paged_attention_torch import paged_attention_torch
 from deepbatch.kernels.reshape_and_cache import reshape_and_cache_ref
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 
 class AttentionBackend:

@@ -63,7 +63,7 @@ from deepbatch.layers.attention import AttentionBackend
 from deepbatch.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryEmbedding, rope_parameters
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 
 class MLARotaryEmbedding(nn.Module):

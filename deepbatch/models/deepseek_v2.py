@@ -27,7 +27,7 @@ from deepbatch.layers.mlp import GatedMLP
 from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.quantization.base import quantization_scope
 from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # One expert's tensor: its weight, or a quantized format's extra tensors (``weight_scale_inv`` ...),

@@ -25,7 +25,7 @@ from deepbatch.layers.norm import RMSNorm
 from deepbatch.layers.rotary import RotaryAt, RotaryEmbedding
 from deepbatch.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from deepbatch.models.config_checks import layer_sliding_windows
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 # An fp8 KV cache's per-layer scales, as vLLM and llm-compressor name them.
 _KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.[kv]_scale$")

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

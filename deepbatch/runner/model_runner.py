@@ -25,11 +25,11 @@ from deepbatch.kernels.kv_quant import kv_cache_storage_dtype, quant_mode
 from deepbatch.layers.attention import make_backend
 from deepbatch.layers.mla import MultiHeadLatentAttention
 from deepbatch.runner.cuda_graph import CudaGraphs
-from deepbatch.runner.forward_batch import ForwardBatch
-from deepbatch.engine.request import PENDING_TOKEN, Request
+from deepbatch.core.forward_batch import ForwardBatch
+from deepbatch.core.request import PENDING_TOKEN, Request
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
-from deepbatch.scheduler.scheduler import SchedulerOutput
+from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

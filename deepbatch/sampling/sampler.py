@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepbatch.engine.request import Request
+from deepbatch.core.request import Request
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.sampling.seeded_noise import seeded_exponential

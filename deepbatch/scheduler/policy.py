@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request
+from deepbatch.core.request import Request
 
 
 class Policy:

@@ -30,46 +30,13 @@ import bisect
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request, RequestStatus
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.policy import make_policy
 from deepbatch.scheduler.preemption import Preemptor
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # True when this chunk reaches the request's newest token, so a token is sampled. Fixed
-    # when scheduled: the request's counters move on before the step's tokens are committed.
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # KV copies the runner performs before the forward, swap-outs first: (device block, host
-    # slot) and (host slot, device block).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Requests ended by the scheduler itself (e.g. can never fit); already freed.
-    finished: list[Request] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -93,6 +60,16 @@ class Scheduler:
         # Mean output length of finished requests (exponential moving average): the expected
         # output of a request that has not said otherwise, for predictive admission.
         self.expected_output_len = 256.0
+
+    def set_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """The step's limits from the next step on (the SLO controller's one way in). Never above
+        the configured maxima, which sized the KV profile and the CUDA graphs."""
+        cfg = self.config
+        if not (1 <= max_num_seqs <= cfg.max_num_seqs and 1 <= max_num_batched_tokens <= cfg.max_num_batched_tokens):
+            raise ValueError(f"set_limits: ({max_num_seqs}, {max_num_batched_tokens}) must lie within 1 and the "
+                             f"configured ({cfg.max_num_seqs}, {cfg.max_num_batched_tokens})")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # -- queue -------------------------------------------------------------------------------
 

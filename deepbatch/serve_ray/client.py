@@ -26,11 +26,11 @@ from functools import partial
 
 from deepbatch.api.errors import APIError
 from deepbatch.engine.admission import RequestIds
-from deepbatch.engine.errors import InvalidRequestError
+from deepbatch.core.errors import InvalidRequestError
 from deepbatch.engine.llm_engine import LLMEngine
-from deepbatch.engine.outputs import RequestOutput
+from deepbatch.core.outputs import RequestOutput
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.models.loader import load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.serve_ray.prefix_index import block_hashes
 from deepbatch.serve_ray.protocol import REFUSED, Accepted, EngineCall, Refusal

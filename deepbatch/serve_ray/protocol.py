@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from deepbatch.engine.admission import QueueFullError
 from deepbatch.engine.async_engine import EngineDrainingError
-from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import EngineDeadError, InvalidRequestError
+from deepbatch.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ import logging
 import numpy as np
 import torch
 
-from deepbatch.engine.request import Request
+from deepbatch.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Distinct grammars kept compiled; the least recently used is dropped beyond this.
 DEFAULT_CACHE_SIZE = 256

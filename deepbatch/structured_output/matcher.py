@@ -22,7 +22,7 @@ place that sequence ends in the output; tokens before it are free.
 
 from __future__ import annotations
 
-from deepbatch.engine.request import PENDING_TOKEN
+from deepbatch.core.request import PENDING_TOKEN
 from deepbatch.structured_output.grammar import CompiledGrammar
 
 

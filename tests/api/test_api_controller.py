@@ -10,10 +10,10 @@ from apitest_fakes import FakeEngine
 from deepbatch.api.server import ServerConfig, build_app
 from deepbatch.config import SchedulerConfig
 from deepbatch.engine.async_engine import AsyncEngine
-from deepbatch.engine.request import Request
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
-from deepbatch.scheduler.controller import make_controller
+from deepbatch.control.controller import make_controller
 from deepbatch.scheduler.scheduler import Scheduler
 
 A, B, C = 2e-3, 0.05e-3, 0.02e-3  # the simulated step time: a + b * tokens + c * seqs

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from deepbatch import LLM, SamplingParams
-from deepbatch.distributed import launch
+from deepbatch.executor import launch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
@@ -122,7 +122,7 @@ def test_start_method_is_fork_unless_unsafe_or_spawn_was_chosen(monkeypatch):
 
 def test_an_engine_started_while_importing_main_in_a_worker_names_the_guard():
     code = textwrap.dedent("""
-        from deepbatch.distributed.launch import check_not_importing_main
+        from deepbatch.executor.launch import check_not_importing_main
         check_not_importing_main()
     """)
     scope = {"__name__": "__mp_main__"}

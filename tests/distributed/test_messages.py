@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from deepbatch.config import SchedulerConfig
 from deepbatch.distributed.messages import RequestMirror, StepMessage, StepMessageBuilder
-from deepbatch.engine.request import Request, RequestStatus
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from deepbatch.engine.async_engine import AsyncEngine, QueueFullError
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.preemption import Preemptor
 

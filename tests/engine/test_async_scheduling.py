@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from deepbatch import LLM, SamplingParams
-from deepbatch.engine.request import PENDING_TOKEN
+from deepbatch.core.request import PENDING_TOKEN
 
 PROMPTS = [
     {"prompt_token_ids": [11, 12, 13, 14, 15, 16]},

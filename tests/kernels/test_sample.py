@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 import deepbatch.sampling.sampler as sampler_mod  # noqa: E402
 from sm90_build import build_for_sm90  # noqa: E402
-from deepbatch.engine.request import Request  # noqa: E402
-from deepbatch.engine.sampling_params import SamplingParams  # noqa: E402
+from deepbatch.core.request import Request  # noqa: E402
+from deepbatch.core.sampling_params import SamplingParams  # noqa: E402
 from deepbatch.kernels.sample import _gumbel_max_kernel, counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
 from deepbatch.sampling.sampler import Sampler  # noqa: E402
 

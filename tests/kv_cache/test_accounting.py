@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepbatch.engine.request import Request
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 
 

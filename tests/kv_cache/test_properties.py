@@ -25,8 +25,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from deepbatch.engine.request import Request
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 
 VOCAB = (0, 1)

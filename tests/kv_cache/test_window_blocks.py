@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request, RequestStatus
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel
 from deepbatch.scheduler.preemption import RECOMPUTE, SWAP, Preemptor

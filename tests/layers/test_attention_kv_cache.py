@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from deepbatch.layers.attention import AttentionBackend, PagedAttention
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 64, 4
 

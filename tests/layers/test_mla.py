@@ -19,7 +19,7 @@ from deepbatch import LLM
 from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deepbatch.layers.attention import make_backend
 from deepbatch.layers.mla import MLARotaryEmbedding, MultiHeadLatentAttention
-from deepbatch.runner.forward_batch import ForwardBatch
+from deepbatch.core.forward_batch import ForwardBatch
 
 # The tiny DeepSeek checkpoints and the HF reference helpers live beside the model tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))

@@ -96,12 +96,12 @@ def test_host_copies_move_every_cache_tensor_of_every_layer():
 
 
 def test_a_swap_space_over_the_cgroup_limit_is_refused(tiny_checkpoints, tmp_path, monkeypatch):
-    from deepbatch import doctor
+    from deepbatch.kv_cache import host_memory
 
     (tmp_path / "memory.max").write_text(str(64 << 20))
     (tmp_path / "memory.current").write_text(str(32 << 20))
-    real = doctor.cgroup_memory
-    monkeypatch.setattr(doctor, "cgroup_memory", lambda root=str(tmp_path): real(root))
+    real = host_memory.cgroup_memory
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda root=str(tmp_path): real(root))
     with pytest.raises(ValueError, match="cgroup v2 memory limit"):
         generate(tiny_checkpoints["llama"], 20, swap_space=0.25, rates=SWAP_WINS)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request, RequestStatus
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
 

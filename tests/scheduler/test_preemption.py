@@ -12,7 +12,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import RequestStatus
+from deepbatch.core.request import RequestStatus
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel
 from deepbatch.scheduler.preemption import RECOMPUTE, SWAP, Preemptor

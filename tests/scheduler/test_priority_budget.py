@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request, RequestStatus
+from deepbatch.core.request import Request, RequestStatus
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
 from test_scheduler import FakeRunner, by_id, make_request, prompt_of

@@ -20,10 +20,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request, RequestStatus
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
-from deepbatch.scheduler.scheduler import Scheduler, SchedulerOutput
+from deepbatch.scheduler.scheduler import Scheduler
+from deepbatch.core.scheduler_output import SchedulerOutput
 
 FILLER = 7  # what the fake model samples unless told otherwise; never a stop token here
 

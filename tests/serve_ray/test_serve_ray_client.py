@@ -9,9 +9,9 @@ import pytest
 
 from deepbatch.api.errors import APIError
 from deepbatch.engine.admission import QueueFullError
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.outputs import CompletionOutput, RequestOutput
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import CompletionOutput, RequestOutput
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.serve_ray.client import ArmObserver, RoutedEngineClient
 from deepbatch.serve_ray.protocol import Accepted, Refusal
 from deepbatch.serve_ray.rollout import CANARY, STABLE, RolloutController

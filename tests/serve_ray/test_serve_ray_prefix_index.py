@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from deepbatch.engine.request import Request
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.serve_ray.prefix_index import PrefixIndex, block_hashes
 

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from deepbatch.engine.sampling_params import StructuredOutputsParams
+from deepbatch.core.sampling_params import StructuredOutputsParams
 
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import xgrammar
 
-from deepbatch.engine.request import PENDING_TOKEN
-from deepbatch.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from deepbatch.core.request import PENDING_TOKEN
+from deepbatch.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deepbatch.sampling.sampler import SamplerOutput
 from deepbatch.structured_output.bitmask import (_ban_until_min_tokens, apply_bitmask, apply_bitmask_torch,
                                                  apply_grammar_bitmask, unpack_bitmask)

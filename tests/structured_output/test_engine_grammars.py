@@ -18,8 +18,8 @@ from sotest_helpers import chat
 
 from deepbatch import SamplingParams
 from deepbatch.engine.async_engine import AsyncEngine
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.sampling_params import StructuredOutputsParams as Structured
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.sampling_params import StructuredOutputsParams as Structured
 from deepbatch.structured_output.grammar import GrammarCache, GrammarCompileError
 from deepbatch.structured_output.matcher import StructuredOutputRequest
 

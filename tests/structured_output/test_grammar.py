@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from deepbatch.structured_output.grammar import GrammarCache, GrammarCompileError, StructuredOutputsUnavailableError
 
 
@@ -129,8 +129,8 @@ def test_engine_imports_and_runs_without_xgrammar(tiny_checkpoints):
     script = textwrap.dedent(f"""
         import sys
         from deepbatch import LLM, SamplingParams
-        from deepbatch.engine.errors import InvalidRequestError
-        from deepbatch.engine.sampling_params import StructuredOutputsParams
+        from deepbatch.core.errors import InvalidRequestError
+        from deepbatch.core.sampling_params import StructuredOutputsParams
         llm = LLM({tiny_checkpoints["llama"]!r}, dtype="float32", device="cpu", max_model_len=64)
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3

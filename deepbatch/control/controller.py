@@ -34,10 +34,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from deepbatch.engine.request import Request
-from deepbatch.scheduler.slo_frontier import (FrontierPoint, Setting, Workload, candidate_settings, frontier,
+from deepbatch.core.request import Request
+from deepbatch.control.slo_frontier import (FrontierPoint, Setting, Workload, candidate_settings, frontier,
                                               predict, rank)
-from deepbatch.scheduler.step_time import StepTimeFit
+from deepbatch.control.step_time import StepTimeFit
 
 _CORRECTION_RANGE = (0.5, 4.0)
 
@@ -149,8 +149,7 @@ class SLOController:
                 # What the batches actually reached: limits above that did not bind.
                 used = Setting(min(current.max_num_seqs, self._used[0]), min(current.max_num_batched_tokens, self._used[1]))
                 self._left[used] = (now, self.workload.arrival_rate)
-            sched.max_num_seqs = best.setting.max_num_seqs
-            sched.max_num_batched_tokens = best.setting.max_num_batched_tokens
+            sched.set_limits(best.setting.max_num_seqs, best.setting.max_num_batched_tokens)
             self.num_changes += 1
             self._changed_at = now
             self._used = (0, 0)

@@ -15,9 +15,9 @@ import pytest
 
 from slo_sim import StepModel, make_scheduler, p99, poisson_arrivals, simulate
 from deepbatch.config import SchedulerConfig
-from deepbatch.scheduler.controller import ControllerOptions, SLOController, make_controller
-from deepbatch.scheduler.slo_frontier import Setting, Workload, candidate_settings, predict
-from deepbatch.scheduler.step_time import StepTimeCoeffs, StepTimeFit
+from deepbatch.control.controller import ControllerOptions, SLOController, make_controller
+from deepbatch.control.slo_frontier import Setting, Workload, candidate_settings, predict
+from deepbatch.control.step_time import StepTimeCoeffs, StepTimeFit
 
 TTFT, TPOT = 2.0, 0.010
 RATE, DURATION = 46.0, 20.0

@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass, field
 
 from deepbatch.config import SchedulerConfig
-from deepbatch.engine.request import Request
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.request import Request
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
 

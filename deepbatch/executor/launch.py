@@ -38,8 +38,8 @@ from multiprocessing import util as mp_util
 import torch
 
 from deepbatch.distributed.messages import ShutdownMessage
-from deepbatch.distributed.watchdog import WorkerWatchdog
-from deepbatch.distributed.worker import WorkerArgs, run_worker
+from deepbatch.executor.watchdog import WorkerWatchdog
+from deepbatch.runner.worker import WorkerArgs, run_worker
 
 logger = logging.getLogger(__name__)
 

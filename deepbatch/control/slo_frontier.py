@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deepbatch.scheduler.step_time import StepTimeCoeffs
+from deepbatch.control.step_time import StepTimeCoeffs
 
 INF = float("inf")
 

@@ -33,16 +33,16 @@ import torch
 import torch.distributed as dist
 
 from deepbatch.config import EngineConfig
-from deepbatch.distributed.launch import WorkerGroup, check_not_importing_main
+from deepbatch.executor.launch import WorkerGroup, check_not_importing_main
 from deepbatch.distributed.messages import StepMessageBuilder
 from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
                                                   loaded_key)
-from deepbatch.distributed.worker import WorkerArgs
-from deepbatch.engine.errors import EngineDeadError
+from deepbatch.runner.worker import WorkerArgs
+from deepbatch.core.errors import EngineDeadError
 from deepbatch.models.loader import ModelSource, build_model
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.sampler import ReadySample, SamplerOutput
-from deepbatch.scheduler.scheduler import SchedulerOutput
+from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,139 @@
+"""One request, carrying its own state from arrival to finish.
+
+Phase is derived from counters, never stored beside them::
+
+    all_token_ids:  [ prompt ............ | output ...... ]
+                    0        num_computed_tokens          num_tokens
+                    |<- KV in cache ->|<- still to run ->|
+
+A request is "prefilling" while ``num_computed_tokens < num_prompt_tokens`` and decoding once
+only the newest sampled token is left to run (``num_tokens - num_computed_tokens == 1``).
+
+With async scheduling the newest token may still be on the device when the next step is
+scheduled: it then stands in ``all_token_ids`` as ``PENDING_TOKEN`` (``num_pending_tokens == 1``)
+until the engine commits the sampled id. Only the last token can be pending.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepbatch.core.sampling_params import SamplingParams
+
+# Stands for a sampled token whose id is still on the device (async scheduling).
+PENDING_TOKEN = -1
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None here
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower is served first (vLLM's convention)
+    tenant: str = "default"
+    prompt: str | None = None
+    # For n > 1, each sample is its own Request; they share ``parent_id`` and differ in ``index``.
+    parent_id: str | None = None
+    index: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of the request's full blocks, extended as tokens become known.
+    block_hashes: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_pending_tokens: int = 0  # 0 or 1: the last token is PENDING_TOKEN
+    # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+    # Detokenized output and the incremental decoder's state (owned by the engine's detokenizer).
+    output_text: str = ""
+    detok_state: object | None = field(default=None, repr=False)
+    # The grammar's matcher state (``structured_output.matcher.StructuredOutputRequest``) while the
+    # request runs with structured outputs; dropped when it finishes.
+    structured_output: object | None = field(default=None, repr=False)
+
+    # Timestamps for metrics (monotonic seconds).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host (all but a pending one)."""
+        return len(self.all_token_ids) - self.num_pending_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def append_pending_token(self) -> None:
+        assert self.num_pending_tokens == 0, "only the newest token can be pending"
+        self.append_output_token(PENDING_TOKEN)
+        self.num_pending_tokens = 1
+
+    def commit_pending_token(self, token_id: int) -> None:
+        assert self.num_pending_tokens == 1
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+        self.num_pending_tokens = 0
