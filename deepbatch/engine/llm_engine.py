@@ -17,9 +17,9 @@ device instead of leaving it idle between steps::
 A request's token from step N is *pending* while step N+1 is scheduled: it counts as a token,
 step N+1 reads its id on the device, and ``commit`` fills it in. A request that stops at step N
 (EOS, stop string) was already scheduled in N+1: that one extra token is computed and dropped.
-Requests whose sampler needs their full history on the host (penalties) run synchronously.
-Structured outputs do not: the sampler reads a constrained row's pending token from the step that
-sampled it before it fills that row's grammar bitmask (``structured_output/``).
+Penalties and structured outputs keep async scheduling: the sampler reads a row's pending token
+from the step that sampled it, on the device for penalties and before it fills that row's
+grammar bitmask for structured outputs (``structured_output/``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ class LLMEngine:
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
         # Launched, not committed: the step, its sampled tokens, when it was scheduled.
         self._inflight: tuple[SchedulerOutput, PendingSample, float] | None = None
-        self._num_sync_only = 0  # unfinished requests whose sampling needs host-side history
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %s (%.1f KiB per block)",
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
@@ -260,7 +259,6 @@ class LLMEngine:
         self._children[parent] = requests
         for r in requests:
             self.scheduler.add_request(r)
-            self._num_sync_only += r.sampling_params.needs_penalties
         return parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -298,7 +296,7 @@ class LLMEngine:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
         touched: dict[str, None] = {}
-        pipelined = self.async_scheduling and self._num_sync_only == 0
+        pipelined = self.async_scheduling
         if not pipelined and self._inflight is not None:
             self._commit(*self._inflight, touched)  # drain before running synchronously
             self._inflight = None
@@ -396,7 +394,6 @@ class LLMEngine:
         if r.structured_output is not None:
             r.structured_output.release()
             r.structured_output = None
-        self._num_sync_only -= r.sampling_params.needs_penalties
         reason = r.finish_reason or "abort"
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
 

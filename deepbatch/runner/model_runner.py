@@ -337,7 +337,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel worker: its logits went to rank 0, which samples
             return None
-        pending = self.sampler.sample(logits, sampling)
+        pending = self.sampler.sample(logits, sampling, self._last_sampled, self._last_rows)
         self._last_sampled = pending.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
         return pending

@@ -132,12 +132,18 @@ class Sampler:
         # ints, so a step never waits on the device for its random state.
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
+        self._previous: tuple[torch.Tensor | None, dict[str, int]] = (None, {})  # see sample()
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def sample(self, logits: torch.Tensor, requests: list[Request], previous: torch.Tensor | None = None,
+               previous_rows: dict[str, int] | None = None) -> PendingSample:
         """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).
         Queues the sampling on the device and returns without waiting for it. Never raises for
-        one request's sake: such rows come back as errors (module docstring)."""
+        one request's sake: such rows come back as errors (module docstring). Under async
+        scheduling a request's newest token may still be pending: ``previous`` (the last launch's
+        sampled ids, on the device) at ``previous_rows[request_id]`` holds it, and penalties read
+        it there, so they need no synchronous step."""
+        self._previous = (previous, previous_rows or {})
         params = [r.sampling_params for r in requests]
         # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
         # logits ends that request, whatever token the NaN would have turned into.
@@ -231,6 +237,16 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
         return logits
 
+    def _output_ids(self, r: Request, dev) -> torch.Tensor:
+        """``r``'s output token ids on the device, a pending newest token read from the previous
+        launch's sampled ids (stream order makes that read wait for them, not the host)."""
+        if not r.num_pending_tokens:
+            return torch.tensor(r.output_token_ids, device=dev, dtype=torch.long)
+        previous, rows = self._previous
+        known = torch.tensor(r.output_token_ids[:-1], device=dev, dtype=torch.long)
+        row = rows[r.request_id]
+        return torch.cat((known, previous[row : row + 1].to(device=dev, dtype=torch.long)))
+
     def _apply_penalties(self, logits, requests):
         S, V = logits.shape
         dev = logits.device
@@ -239,10 +255,11 @@ class Sampler:
         for i, r in enumerate(requests):
             if not r.sampling_params.needs_penalties:
                 continue
-            if r.output_token_ids:
-                ids = torch.tensor(r.output_token_ids, device=dev)
-                out_counts[i].index_add_(0, ids, torch.ones(len(ids), device=dev))
-            seen[i, torch.tensor(r.all_token_ids, device=dev)] = True
+            out_ids = self._output_ids(r, dev)
+            if len(out_ids):
+                out_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
+                seen[i, out_ids] = True
+            seen[i, torch.tensor(r.prompt_token_ids, device=dev, dtype=torch.long)] = True
         rep = torch.tensor([r.sampling_params.repetition_penalty for r in requests], device=dev).unsqueeze(1)
         freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests], device=dev).unsqueeze(1)
         pres = torch.tensor([r.sampling_params.presence_penalty for r in requests], device=dev).unsqueeze(1)

@@ -66,18 +66,33 @@ def test_seeded_sampling_n_and_logprobs_identical(llm):
     assert all(len(o[2]) == 9 for out in sync for o in out)
 
 
-def test_penalties_fall_back_to_sync_and_match(llm):
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                             repetition_penalty=1.5 if i % 2 else 1.0) for i in range(len(PROMPTS))]
-    assert run(llm, True, params) == run(llm, False, params)
+def test_penalties_keep_async_scheduling_and_match(llm, monkeypatch):
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=7 + i, max_tokens=14, ignore_eos=True,
+                             repetition_penalty=1.5 if i % 2 else 1.2, frequency_penalty=0.5 * (i % 3),
+                             presence_penalty=0.3 if i == 1 else 0.0) for i in range(len(PROMPTS))]
+    sync = run(llm, False, params)
+    sampler = llm.engine.runner.sampler
+    real = sampler._apply_penalties
+    pending = []
+
+    def spy(logits, requests):
+        pending.extend(r.num_pending_tokens for r in requests if r.sampling_params.needs_penalties)
+        return real(logits, requests)
+
+    monkeypatch.setattr(sampler, "_apply_penalties", spy)
+    assert run(llm, True, params) == sync
+    # The penalties were applied while the newest token was still pending (no synchronous step).
+    assert pending.count(1) > len(PROMPTS)
 
 
-def test_preemption_with_pending_tokens(tiny_checkpoints):
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "penalties"])
+def test_preemption_with_pending_tokens(tiny_checkpoints, penalty):
     # 10 blocks of 8 tokens cannot hold five requests growing to 60+ tokens: requests are
     # preempted while their newest token is still pending.
     llm = LLM(tiny_checkpoints["llama"], dtype="float32", device="cpu", max_model_len=256, block_size=8,
               num_gpu_blocks_override=10)
-    params = [SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)] * len(PROMPTS)
+    params = [SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True, repetition_penalty=penalty,
+                             frequency_penalty=penalty - 1.0)] * len(PROMPTS)
     prompts = [{"prompt_token_ids": p["prompt_token_ids"][:32]} for p in PROMPTS]
     sync = run(llm, False, params, prompts)
     llm.engine.scheduler.num_preemptions = 0

@@ -68,12 +68,12 @@ def test_nan_logits_fail_only_that_request(base_config, reference):
     engine = LLMEngine(base_config)
     sample = engine.runner.sampler.sample
 
-    def poisoned(logits, requests):
+    def poisoned(logits, requests, *previous):
         rows = [i for i, r in enumerate(requests) if r.request_id == VICTIM]
         if rows:
             logits = logits.clone()
             logits[rows[0], 7] = float("nan")
-        return sample(logits, requests)
+        return sample(logits, requests, *previous)
 
     engine.runner.sampler.sample = poisoned
     assert_only_victim_failed(run(engine), reference, "NaN logits")
