@@ -156,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; none: no tracing); "
                             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf sends over HTTP. "
                             "Needs pip install 'deepbatch[otel]'")
+    serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) that replaces the model's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto", the default when tools '
+                            "are sent); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how tool calls read in the model's output (vLLM's names: hermes, llama3_json, "
+                            'deepseek_v3, ...); tool_choice "required" and named functions need none')
+    serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split the model's thinking into reasoning_content: deepseek_r1 or qwen3")
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="run N engine replicas behind a Ray Serve ingress with prefix-aware routing (on this "
                             "machine, or the Ray cluster RAY_ADDRESS names); needs pip install 'deepbatch[ray]'; "
@@ -205,10 +215,19 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         from deepbatch.serve_ray.cli import serve_replicas
 
+        chat_flags = [flag for flag, value in (
+            ("--chat-template", args.chat_template), ("--tool-call-parser", args.tool_call_parser),
+            ("--enable-auto-tool-choice", args.enable_auto_tool_choice), ("--reasoning-parser", args.reasoning_parser),
+        ) if value]
+        if chat_flags:
+            raise ValueError(f"{', '.join(chat_flags)}: not available with --replicas")
+
         return serve_replicas(args)
     import torch
 
     from deepbatch.api.auth import load_keys
+    from deepbatch.api.chat_output import check_parser_flags
+    from deepbatch.api.chat_template import load_chat_template
     from deepbatch.api.server import ServerConfig, run_server
     from deepbatch.engine.async_engine import AsyncEngine
     from deepbatch.metrics.tracing import default_traces_endpoint, make_tracer_provider
@@ -217,11 +236,16 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     api_key = args.api_key or envs.DEEPBATCH_API_KEY
     load_keys(args.api_keys_file, api_key)  # a bad keys file fails now, not after the model has loaded
+    # Flags that can fail do so before the model loads.
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    check_parser_flags(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
         api_key=api_key, api_keys_file=args.api_keys_file, shutdown_timeout=args.shutdown_timeout,
         max_request_body_bytes=envs.DEEPBATCH_MAX_REQUEST_BODY_BYTES,
         log_stats_interval=envs.DEEPBATCH_LOG_STATS_INTERVAL,
+        chat_template=chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
     )
     traces_endpoint = args.otlp_traces_endpoint or default_traces_endpoint()
     # Before the model loads: a missing OpenTelemetry install fails now.

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from deepbatch.engine.outputs import RequestOutput
+from deepbatch.core.outputs import RequestOutput
 
 WINDOW_S = 60.0
 # Samples kept per series whatever the traffic, so a burst cannot grow the window's memory.

@@ -84,6 +84,10 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"
     if kind == "missing":
         code = "missing_required_parameter"
+    if kind == "extra_forbidden":
+        where = ".".join(loc) or "body"
+        return bad_request(f"{where}: unrecognized request argument; this server does not implement it",
+                           param=loc[0] if loc else None, code="unknown_parameter")
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepbatch.engine.async_engine import AsyncEngine
 from deepbatch.engine.snapshot import EngineSnapshot
-from deepbatch.engine.outputs import RequestOutput
+from deepbatch.core.outputs import RequestOutput
 
 logger = logging.getLogger("deepbatch.stats")
 MAX_TENANT_LABELS = 100

@@ -1,74 +1,66 @@
-"""OpenAI request and response schemas (pydantic v2), with vLLM's extra sampling fields.
+"""OpenAI request and response schemas (pydantic v2), with vLLM's extra fields.
 
-Requests are strict: a string where a number belongs is a 400, not a silent coercion. Unknown
-fields are ignored, as OpenAI clients send fields this server does not use (tools, metadata).
-Every integer fits the type the engine keeps it in (a 70-bit ``top_k`` would wrap in a tensor),
-every float is finite, and every string is encodable text: JSON may carry a lone UTF-16
-surrogate (``"\\ud800"``) that no tokenizer, detokenizer or metrics label can take.
+Every field a client may send is declared here: implemented, accepted as a hint the OpenAI API
+defines (the chat request's hint fields), or refused with the reason (``*_UNSUPPORTED``).
+Anything else is a 400 that names it (``protocol_base``). Requests are strict and their strings encodable; see
+``protocol_base`` for the types the engine needs.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-# OpenAI's own limit; also keeps one request from creating an unbounded number of sequences.
-MAX_N = 128
-MAX_LOGPROBS = 20
+from deepbatch.api.protocol_base import (  # noqa: F401  (re-exported: the schemas' shared parts)
+    MAX_LOGPROBS, MAX_N, Int32, Seed, _Request, check_encodable, refuse_unsupported, unencodable_string,
+)
+from deepbatch.api.protocol_tools import (
+    JsonSchema, ResponseFormat, StructuredOutputsRequest, ToolChoice, ToolDefinition,
+)
 
-# Counts, ids and priorities end up in int32/int64 tensors or C loops. Ranges with a meaning
-# (max_tokens >= 1, top_k == -1 or >= 1, ...) are SamplingParams' to check; this is the type.
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-# The seeded sampler keys its noise by the full 64-bit seed.
-Seed = Annotated[int, Field(ge=0, lt=2**64)]
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-def unencodable_string(value: Any, path: str = "") -> str | None:
-    """The path (``messages[0].content``) of the first string in ``value`` (models, dicts, lists;
-    dict keys included) that is not encodable as UTF-8, or None. Iterative: bodies nest as deep
-    as the JSON parser allows."""
-    stack: list[tuple[str, Any]] = [(path, value)]
-    while stack:
-        where, v = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    return where
-        elif isinstance(v, BaseModel):
-            fields = {name: getattr(v, name) for name in type(v).model_fields}
-            stack.append((where, {**fields, **(v.__pydantic_extra__ or {})}))
-        elif isinstance(v, dict):
-            for k, x in reversed(v.items()):
-                key = f"{where}.{k}" if where else str(k)
-                stack.append((key, x))
-                stack.append((where or key, k))
-        elif isinstance(v, (list, tuple)):
-            # Token-id lists are the long ones: skip them in one C-level pass.
-            if not set(map(type, v)) <= {int}:
-                stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-    return None
-
-
-def check_encodable(model: BaseModel) -> None:
-    where = unencodable_string(model)
-    if where is not None:
-        raise PydanticCustomError(
-            "invalid_encoding", "{param}: the text is not valid Unicode (it holds a lone surrogate); send UTF-8",
-            {"param": where})
+# Fields of the OpenAI API or of vLLM that this server knows and does not implement.
+_COMMON_UNSUPPORTED = {
+    "prompt_logprobs": "the engine computes no prompt logprobs",
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "beam search is not implemented",
+    "truncate_prompt_tokens": "prompts are never truncated; send a shorter one",
+    "allowed_token_ids": "use logit_bias",
+    "bad_words": "use logit_bias",
+    "logits_processors": "custom logits processors are not implemented",
+    "guided_whitespace_pattern": "use structured_outputs.disable_any_whitespace",
+    "structural_tag": "structural tags are not implemented; use tools or a grammar",
+    "return_tokens_as_token_ids": "not implemented",
+    "return_token_ids": "not implemented",
+    "spaces_between_special_tokens": "not implemented",
+    "kv_transfer_params": "disaggregated prefill is not implemented",
+    "vllm_xargs": "not implemented",
+    "cache_salt": "not implemented",
+    "request_id": "send the X-Request-Id header",
+}
+CHAT_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "functions": "deprecated by OpenAI; send tools",
+    "function_call": "deprecated by OpenAI; send tool_choice",
+    "audio": "this server generates text only",
+    "reasoning_effort": "the served models take no reasoning effort",
+    "verbosity": "the served models take no verbosity setting",
+    "web_search_options": "web search is not implemented",
+    "chat_template": "per-request templates are not accepted; start the server with --chat-template",
+    "continue_final_message": "pass it in chat_template_kwargs",
+    "documents": "pass them in chat_template_kwargs",
+    "add_special_tokens": "the chat template decides the special tokens",
+    "echo": "echo is a /v1/completions field",
+    "mm_processor_kwargs": "this server takes text only",
+}
+COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED, "add_special_tokens": "not implemented"}
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # a hint: this server pads no chunks
 
 
 class SamplingRequest(_Request):
@@ -94,6 +86,14 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int32 = 0
+    # Structured outputs: at most one of these (structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     @field_validator("n")
     @classmethod
@@ -122,6 +122,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: Int32 | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, COMPLETION_UNSUPPORTED)
+        return data
 
     @field_validator("prompt")
     @classmethod
@@ -211,15 +217,38 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int32 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # without tools: a hint
+    modalities: list[Literal["text"]] | None = None
+    # Hints the OpenAI API defines (storage, billing tier, cache routing, abuse tracking, predicted
+    # output for latency): accepted and not acted on, as the reply is the same without them.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, CHAT_UNSUPPORTED)
+        return data
 
 
 # -- responses ------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):
@@ -260,9 +289,22 @@ class ChatChoiceLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -282,9 +324,26 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a fragment of the JSON text
+
+
+class DeltaToolCall(BaseModel):
+    """A tool call's part in a chunk: the first carries id, type and name; later ones only
+    fragments of the arguments, with the same index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

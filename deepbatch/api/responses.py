@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from deepbatch.api.errors import APIError, error_body
 from deepbatch.api.protocol import (
     ChatChoiceLogProbs, ChatLogProbsContent, ChatStreamChoice, ChatTokenLogProb, CompletionChoice, CompletionLogProbs,
-    DeltaMessage, SamplingRequest, UsageInfo,
+    DeltaMessage, PromptTokensDetails, SamplingRequest, UsageInfo,
 )
-from deepbatch.engine.outputs import CompletionOutput, RequestOutput
+from deepbatch.core.outputs import CompletionOutput, RequestOutput
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class StreamSpec:
     echo: bool = False
     hold: int = 0  # characters held back while running (longest stop string - 1)
     top_logprobs: int = 0
+    new_parser: Callable[[], Any] | None = None  # chat: a ChoiceParser per choice (chat_output)
+    clean: Callable[[CompletionOutput], CompletionOutput] | None = None  # applied to each output first
 
 
 @dataclass
@@ -42,6 +45,7 @@ class ChoiceState:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
+    parser: Any = None  # the choice's ChoiceParser, if its text is parsed
 
 
 def include_usage(req: SamplingRequest) -> bool:
@@ -123,7 +127,12 @@ class ResponseFormatter:
         reason = c.finish_reason if c.finished else None
         if spec.chat:
             lp = self.chat_logprobs(new_tokens, new_logprobs, spec.top_logprobs) if new_logprobs is not None else None
-            delta = DeltaMessage(content=text) if text or not c.finished else DeltaMessage()
+            if st.parser is not None:
+                # While the parsers hold text back (a marker may be starting) the chunk is empty.
+                delta = (st.parser.delta(text, final=c.finished) if text or c.finished else None) or DeltaMessage()
+                reason = st.parser.finish_reason(reason)
+            else:
+                delta = DeltaMessage(content=text) if text or not c.finished else DeltaMessage()
             return ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=reason,
                                     stop_reason=c.stop_reason if c.finished else None)
         lp = None
@@ -136,7 +145,9 @@ class ResponseFormatter:
 def usage(outs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finite(logprob: float) -> float:

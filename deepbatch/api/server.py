@@ -32,6 +32,8 @@ from pydantic import ValidationError
 
 import deepbatch
 from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
+from deepbatch.api.chat_output import load_parsers
+from deepbatch.api.chat_template import install_chat_template
 from deepbatch.api.dashboard import install_dashboard
 from deepbatch.api.errors import (
     APIError, ContainErrors, bad_request, error_response, from_validation_error, install_error_handlers,
@@ -45,6 +47,7 @@ from deepbatch.api.openapi import (
     HealthStatus, add_request_schemas, error_responses, generation_reply, request_body,
 )
 from deepbatch.api.serving import OpenAIServing
+from deepbatch.api.serving_tokenize import TOKENIZE_MODELS, add_tokenize_routes
 from deepbatch.engine.async_engine import AsyncEngine
 from deepbatch.metrics.tracing import RequestTracer
 
@@ -75,6 +78,10 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 4 << 20
     log_stats_interval: float = 10.0
+    chat_template: str | None = None  # template text (loaded by chat_template.load_chat_template)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser names
+    reasoning_parser: str | None = None  # deepseek_r1, qwen3
 
 
 @dataclass
@@ -215,6 +222,22 @@ async def read_json_object(request: Request, limit: int) -> dict:
     return body
 
 
+def body_parser(max_request_body_bytes: int):
+    """``parse(request, model)``: the body, validated by ``model`` (a pydantic model, or a function
+    of the body that picks one); 413 past the limit, 400 for a body that does not validate."""
+
+    async def parse(request: Request, model):
+        body = await read_json_object(request, max_request_body_bytes)
+        if not isinstance(model, type):
+            model = model(body)
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    return parse
+
+
 def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, per_key: bool,
                           max_request_body_bytes: int) -> dict:
     """``POST /v1/completions`` and ``/v1/chat/completions`` on ``serving`` (the single-process
@@ -224,13 +247,7 @@ def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, p
     auth = 401 if keys_on else 0
     gated = error_responses(auth, 429 if per_key else 0)
     generate = error_responses(400, auth, 403 if per_key else 0, 404, 413, 429, 500, 503)
-
-    async def parse(request: Request, model):
-        body = await read_json_object(request, max_request_body_bytes)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+    parse = body_parser(max_request_body_bytes)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses={**generation_reply(CompletionResponse), **generate})
@@ -254,7 +271,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
     if tracer_provider is not None:
         tracer = RequestTracer(tracer_provider, engine.max_model_len)
         engine.add_observer(tracer.observe)
-    serving = OpenAIServing(engine, names, tracer)
+    if config.chat_template is not None:
+        install_chat_template(engine.tokenizer, config.chat_template)
+    parsers = load_parsers(config.tool_call_parser, config.reasoning_parser, config.enable_auto_tool_choice,
+                           engine.tokenizer)
+    serving = OpenAIServing(engine, names, tracer, parsers)
     metrics = ServerMetrics(engine, names[0], max_model_len=engine.max_model_len,
                             cache_info=cache_config_info(engine.engine))
 
@@ -288,6 +309,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
     app.add_middleware(_Gate, engine=engine, state=state)
     gated = add_generation_routes(app, serving, state.keys is not None, config.api_keys_file is not None,
                                   config.max_request_body_bytes)
+    add_tokenize_routes(app, serving, body_parser(config.max_request_body_bytes),
+                        {**gated, **error_responses(400, 404, 413)})
 
     @app.get("/v1/models", response_model=ModelList, responses={**gated, **error_responses(503)})
     async def models() -> ModelList:
@@ -329,7 +352,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
         return {"version": deepbatch.__version__}
 
     install_dashboard(app)
-    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, *TOKENIZE_MODELS])
     return app
 
 

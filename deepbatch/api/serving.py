@@ -8,6 +8,10 @@ header (a random uuid otherwise). With an API-keys file the auth gate puts the k
 priority ceiling on the request's scope state; the tenant then replaces the body's ``user``.
 With tracing on, what each engine request's span needs (the W3C trace context of the headers,
 the sampling parameters) is handed to the tracer as the request is queued.
+
+Chat replies go through a ``ChoiceParser`` per choice when the server has a reasoning parser or
+the request calls tools (``chat_output``); output constraints come from ``structured`` and
+``serving_tools``.
 """
 
 from __future__ import annotations
@@ -21,24 +25,28 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deepbatch.api import responses
+from deepbatch.api.chat_output import ChoiceParser, ParserConfig, reasoning_open, reply_message, strip_eos
 from deepbatch.api.errors import APIError, bad_request
 from deepbatch.api.protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, DeltaMessage,
     SamplingRequest,
 )
 from deepbatch.api.responses import ChoiceState, StreamSpec
+from deepbatch.api.serving_tools import ToolPlan, output_constraint, plan_tools
 from deepbatch.api.sse import SSEResponse, run_until_disconnect
+from deepbatch.api.structured import Constraint, param_alias, request_constraints, single, structured_outputs
 from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
-from deepbatch.engine.outputs import RequestOutput
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import EngineDeadError, InvalidRequestError
+from deepbatch.core.outputs import RequestOutput
+from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.metrics.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +68,7 @@ _ID_ALIAS = {"request_id": "X-Request-Id"}
 def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> APIError:
     """The HTTP answer to an error raised while accepting a request."""
     if isinstance(e, InvalidRequestError):
-        param = {**_ID_ALIAS, **(param_alias or {})}.get(e.param, e.param)
+        param = _renamed(e.param, {**_ID_ALIAS, **(param_alias or {})})
         message = e.message
         if param != e.param and message.startswith(f"{e.param}: "):
             message = f"{param}: {message[len(e.param) + 2:]}"
@@ -75,13 +83,29 @@ def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> API
     raise e
 
 
+def _renamed(param: str | None, aliases: dict[str, str]) -> str | None:
+    """``param`` under the client's name: an alias of it or of the field it is inside."""
+    if param is None:
+        return None
+    for engine_name, client_name in aliases.items():
+        if param == engine_name or param.startswith((f"{engine_name}.", f"{engine_name}[")):
+            return client_name
+    return param
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], tracer: RequestTracer | None = None):
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], tracer: RequestTracer | None = None,
+                 parsers: ParserConfig | None = None):
         self.engine = engine
         self.model_names = served_model_names
         self.tracer = tracer  # None: no spans
         self.vocab_size = engine.engine.hf_config.vocab_size
         self.formatter = responses.ResponseFormatter(engine)
+        self.parsers = parsers or ParserConfig()
+        # Only for the end-of-thinking token's id; each choice gets its own instance.
+        self._reasoning = (self.parsers.reasoning_parser(engine.tokenizer)
+                           if self.parsers.reasoning_parser is not None else None)
+        self.eos_token_ids = frozenset(getattr(engine.engine, "eos_token_ids", None) or ())
         hf_args = _named_arguments(getattr(engine.tokenizer, "apply_chat_template", None))
         self._template_reserved = _TEMPLATE_CALL_ARGS | (hf_args - _TEMPLATE_INPUTS)
 
@@ -115,18 +139,24 @@ class OpenAIServing:
             raise bad_request("X-Request-Id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -", "X-Request-Id")
         return f"{prefix}-{given}"
 
-    def template_kwargs(self, req: ChatCompletionRequest) -> dict:
+    def template_kwargs(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> dict:
         kwargs = req.chat_template_kwargs or {}
         reserved = sorted(k for k in kwargs if k in self._template_reserved)
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (an argument of the "
                               "template call, not a template variable)", "chat_template_kwargs")
+        if plan is not None and plan.template_tools:
+            if "tools" in kwargs:
+                raise bad_request("chat_template_kwargs may not set tools when the request sends tools",
+                                  "chat_template_kwargs")
+            kwargs = {**kwargs, "tools": plan.template_tools}
         return kwargs
 
     # -- requests -> engine ---------------------------------------------------------------------
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                        param_alias: dict[str, str] | None = None) -> SamplingParams:
+                        param_alias: dict[str, str] | None = None, skip_special_tokens: bool | None = None
+                        ) -> SamplingParams:
         bias = None
         if req.logit_bias is not None:
             bias = {}
@@ -148,10 +178,22 @@ class OpenAIServing:
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens, logit_bias=bias,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                logit_bias=bias,
             )
         except InvalidRequestError as e:
             raise engine_error(e, param_alias) from None
+
+    @staticmethod
+    def constrained(params: SamplingParams, constraint: Constraint | None,
+                    start_after_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """``params`` with the output constraint, if there is one."""
+        if constraint is None:
+            return params
+        try:
+            return replace(params, structured_outputs=structured_outputs(constraint, start_after_token_ids))
+        except InvalidRequestError as e:
+            raise engine_error(e, param_alias(constraint)) from None
 
     async def _submit(self, request_id: str, prompts: list, params: SamplingParams, req: SamplingRequest,
                       raw: Request, param_alias: dict[str, str] | None = None) -> list[RequestStream]:
@@ -181,9 +223,11 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported", "echo")
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        constraint = single(request_constraints(req))
+        params = self.constrained(params, constraint)
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
-        streams = await self._submit(request_id, prompts, params, req, raw)
+        streams = await self._submit(request_id, prompts, params, req, raw, param_alias(constraint))
         if req.stream:
             spec = StreamSpec(req.n, responses.include_usage(req), chat=False, echo=req.echo,
                               hold=responses.hold(params))
@@ -213,31 +257,52 @@ class OpenAIServing:
         alias = {"logprobs": "top_logprobs", "prompt": "messages"}
         if req.max_completion_tokens is not None:
             alias["max_tokens"] = "max_completion_tokens"
-        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, alias)
-        kwargs = self.template_kwargs(req)
+        plan = plan_tools(req, self.parsers.tool_parser is not None)
+        constraint = output_constraint(req, plan)
+        parsing = self._reasoning is not None or plan.calls_tools
+        # Parsers' markers may be special tokens: they must survive decoding.
+        keep_special = self._reasoning is not None or plan.mode == "auto"
+        params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, alias,
+                                      skip_special_tokens=False if keep_special else None)
+        kwargs = self.template_kwargs(req, plan)
         try:
             ids = await self.engine.apply_chat_template(
                 [m.to_template() for m in req.messages], add_generation_prompt=req.add_generation_prompt, **kwargs)
         except InvalidRequestError as e:
             raise engine_error(e) from None
+        params = self.constrained(params, constraint, self._start_after(ids) if constraint is not None else ())
+        alias.update(param_alias(constraint))
         streams = await self._submit(request_id, [{"prompt_token_ids": ids}], params, req, raw, alias)
+        new_parser = (lambda: ChoiceParser(plan, self.parsers, self.engine.tokenizer)) if parsing else None
+        clean = (lambda c: strip_eos(c, self.eos_token_ids, self.formatter.token_text)) if keep_special else None
         if req.stream:
             spec = StreamSpec(req.n, responses.include_usage(req), chat=True, hold=responses.hold(params),
-                              top_logprobs=req.top_logprobs or 0)
+                              top_logprobs=req.top_logprobs or 0, new_parser=new_parser, clean=clean)
             return self._sse_response(request_id, streams, spec)
         outs = await self._final_outputs(streams, raw)
         if outs is None:
             return Response(status_code=499)
-        choices = [
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       logprobs=self.formatter.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-                       if c.logprobs is not None else None,
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for c in outs[0].outputs
-        ]
+        choices = []
+        for c in outs[0].outputs:
+            c = clean(c) if clean is not None else c
+            message, reason = reply_message(c, new_parser() if new_parser is not None else None)
+            choices.append(ChatChoice(
+                index=c.index, message=message,
+                logprobs=self.formatter.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                if c.logprobs is not None else None,
+                finish_reason=reason, stop_reason=c.stop_reason))
         resp = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=responses.usage(outs))
         return JSONResponse(resp.model_dump())
+
+    def _start_after(self, prompt_ids: list[int]) -> tuple[int, ...]:
+        """With a reasoning parser, a constraint applies from the end of thinking on."""
+        if self._reasoning is None:
+            return ()
+        end = self._reasoning.end_token_id
+        if reasoning_open(prompt_ids, end, self.engine.tokenizer.decode):
+            return (end,)
+        return ()
 
     # -- engine -> replies ----------------------------------------------------------------------
 
@@ -252,7 +317,7 @@ class OpenAIServing:
         if outs is not None:
             for out in outs:
                 if out.error:
-                    raise APIError(500, out.error, code="request_failed")
+                    raise _request_error(out)
         return outs
 
     async def _stream(self, request_id: str, streams: list[RequestStream], spec: StreamSpec) -> AsyncIterator[str]:
@@ -268,14 +333,19 @@ class OpenAIServing:
                                                         choices=first))
             async for i, out in responses.merge(streams):
                 if out.error:
-                    yield responses.sse_error(APIError(500, out.error, code="request_failed"))
+                    yield responses.sse_error(_request_error(out))
                     break
                 if out.finished:
                     finals[i] = out
                 choices = []
                 for c in out.outputs:
                     index = i * spec.n + c.index
-                    choice = self.formatter.delta(out, c, states.setdefault(index, ChoiceState()), index, spec)
+                    state = states.get(index)
+                    if state is None:
+                        state = states[index] = ChoiceState(parser=spec.new_parser() if spec.new_parser else None)
+                    if spec.clean is not None:
+                        c = spec.clean(c)
+                    choice = self.formatter.delta(out, c, state, index, spec)
                     if choice is not None:
                         choices.append(choice)
                 if choices:
@@ -325,3 +395,12 @@ def _named_arguments(fn) -> set[str]:
     except (TypeError, ValueError):
         return set()
     return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def _request_error(out: RequestOutput) -> APIError:
+    """A request that failed in the engine: a 400 where its own input was at fault (a grammar its
+    model cannot complete), else a 500."""
+    if out.error_code == "invalid_grammar":
+        return APIError(400, out.error, code=out.error_code)
+    return APIError(500, out.error, code="request_failed")
+

@@ -42,5 +42,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # see Request.error_code
     metrics: RequestMetrics | None = None
     tenant: str = "default"

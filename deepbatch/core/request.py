@@ -71,6 +71,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None
+    # What kind of fault ``error`` is: None for a failure of this request's processing (HTTP 500),
+    # "invalid_grammar" for a grammar the model's vocabulary cannot complete (the request's input: 400).
+    error_code: str | None = None
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # 0 or 1: the last token is PENDING_TOKEN
     # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).

@@ -367,7 +367,7 @@ class LLMEngine:
             if not r.is_finished and r.structured_output is not None:
                 error = r.structured_output.advance(r.output_token_ids)
                 if error is not None:
-                    self._fail_request(r, error)
+                    self._fail_request(r, error, r.structured_output.error_code)
                     continue
                 if r.structured_output.is_terminated:  # the grammar took a stop token: complete
                     self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
@@ -382,10 +382,11 @@ class LLMEngine:
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled), first_token, done)
             self._last_commit = now
 
-    def _fail_request(self, r: Request, message: str) -> None:
+    def _fail_request(self, r: Request, message: str, code: str | None = None) -> None:
         """End one request with an error (its own fault); the engine and the rest go on."""
         logger.warning("request %s failed: %s", r.request_id, message)
         r.error = message
+        r.error_code = code
         self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ERROR)
         self._on_finished(r)
 
@@ -418,7 +419,7 @@ class LLMEngine:
                              list(r.logprobs) if r.logprobs is not None else None)
             for r in children
         ]
-        errors = [r.error for r in children if r.error]
+        failed = [r for r in children if r.error]
         return RequestOutput(
             request_id=parent_id,
             prompt=first.prompt,
@@ -426,7 +427,8 @@ class LLMEngine:
             outputs=completions,
             finished=all(r.is_finished for r in children),
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            error=errors[0] if errors else None,
+            error=failed[0].error if failed else None,
+            error_code=failed[0].error_code if failed else None,
             metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    max((r.finished_time or 0.0) for r in children) or None,
                                    sum(r.num_preemptions for r in children)),

@@ -48,6 +48,10 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
             r.structured_output.error = f"structured outputs failed: {type(e).__name__}: {e}"[:500]
             bitmask[i] = -1
             continue
+        if not bool(bitmask[i].any()):  # nothing to draw: fail it at commit, sample it unmasked meanwhile
+            r.structured_output.dead_end()
+            bitmask[i] = -1
+            continue
         _ban_until_min_tokens(bitmask[i], r)
         masked.add(i)
     if masked:

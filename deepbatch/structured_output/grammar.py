@@ -105,7 +105,9 @@ class GrammarCache:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiled = CompiledGrammar(self, spec.kind, self._compile(spec))
+        grammar = self._compile(spec)
+        self._check_startable(spec.kind, grammar)
+        compiled = CompiledGrammar(self, spec.kind, grammar)
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = compiled
@@ -127,6 +129,17 @@ class GrammarCache:
                 # unbounded one.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
+
+    def _check_startable(self, kind: str, grammar) -> None:
+        """Refuse a grammar that no token of this vocabulary can start (a regex over characters
+        the tokenizer cannot produce, say): sampling would have nothing to draw from. A grammar
+        that accepts the empty output allows the stop tokens, so it passes."""
+        xgr = import_xgrammar()
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise GrammarCompileError(kind, f"invalid {_KIND_NAMES[kind]}: no token of this model's vocabulary can "
+                                            f"start an output it accepts")
 
     def _compile(self, spec: StructuredOutputsParams):
         compiler = self._compiler_for_vocab()

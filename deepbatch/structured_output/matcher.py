@@ -38,6 +38,15 @@ class StructuredOutputRequest:
         # Where the newest sampled token can be read before it is committed: (PendingSample, row).
         self.last_sample: tuple[object, int] | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # Request.error_code for ``error``
+
+    def dead_end(self) -> None:
+        """No token of the vocabulary continues the grammar from here (a regex over characters
+        the tokenizer cannot produce, past its start): the request's grammar cannot be
+        completed, which is its input's fault."""
+        self.error = (f"structured outputs: no token of this model's vocabulary continues the {self.grammar.kind} "
+                      f"grammar after {self.num_seen} output tokens; the output cannot be completed")
+        self.error_code = "invalid_grammar"
 
     def _new_matcher(self):
         from deepbatch.structured_output.grammar import import_xgrammar
@@ -103,6 +112,7 @@ class StructuredOutputRequest:
         self.matcher = None
         self.num_seen = 0
         self.error = None
+        self.error_code = None
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)

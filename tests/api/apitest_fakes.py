@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.preemption import Preemptor
 
-from deepbatch.engine.errors import InvalidRequestError
-from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class FakeEngine:
@@ -51,6 +51,9 @@ class FakeEngine:
         if len(ids) + max_tokens > self.max_model_len or len(ids) >= self.max_model_len:
             raise InvalidRequestError("max_tokens", "too long", code="context_length_exceeded")
         return [SimpleNamespace(prompt_token_ids=ids, prompt=None, parent_id=request_id)] * params.n
+
+    def prepare_structured_output(self, params):
+        return params  # the fake follows no grammar: its tokens are fixed
 
     def add_request(self, request_id, prompt, params, priority=0, tenant="default", arrival_time=None):
         self.callers.add(threading.current_thread().name)

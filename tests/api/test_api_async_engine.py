@@ -10,8 +10,8 @@ import pytest
 
 from apitest_fakes import FakeEngine
 from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
-from deepbatch.engine.errors import EngineDeadError, InvalidRequestError
-from deepbatch.engine.sampling_params import SamplingParams
+from deepbatch.core.errors import EngineDeadError, InvalidRequestError
+from deepbatch.core.sampling_params import SamplingParams
 
 
 def run(coro):

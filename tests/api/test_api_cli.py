@@ -12,7 +12,7 @@ import pytest
 
 import deepbatch.llm
 from deepbatch import cli
-from deepbatch.engine.outputs import CompletionOutput, RequestOutput
+from deepbatch.core.outputs import CompletionOutput, RequestOutput
 
 
 class FakeLLM:

@@ -20,7 +20,7 @@ from deepbatch.api.server import ServerConfig, build_app
 from deepbatch.api.responses import StreamSpec as _StreamSpec
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.engine.async_engine import AsyncEngine
-from deepbatch.engine.errors import InvalidRequestError
+from deepbatch.core.errors import InvalidRequestError
 from deepbatch.engine.request_stream import RequestStream
 
 QUEUED_REQUESTS, QUEUED_TOKENS = 3, 600

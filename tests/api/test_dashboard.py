@@ -32,7 +32,7 @@ from deepbatch.api.dashboard import STATIC_DIR, static_routes
 from deepbatch.api.dashboard_stats import MAX_TENANTS, OTHER_TENANT, DashboardStats
 from deepbatch.api.server import ServerConfig, build_app
 from deepbatch.engine.async_engine import AsyncEngine
-from deepbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 CHROMIUM = find_chromium()
 NO_BROWSER = "Debian's chromium is not installed (scripts/install.sh installs it where apt-get is available)"

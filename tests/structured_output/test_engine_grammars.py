@@ -155,6 +155,21 @@ def test_bad_grammar_fails_that_request_alone(llm):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_the_vocabulary_cannot_complete_fails_that_request_alone(llm, async_scheduling):
+    """After its first character no token fits the regex: that request fails as the input's fault
+    (``invalid_grammar``) and its neighbour gets exactly its tokens from running alone."""
+    llm.engine.async_scheduling = async_scheduling
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(chat(llm, "Count to five."), plain, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([chat(llm, "Say a."), chat(llm, "Count to five.")],
+                        [greedy(Structured(regex="a\U000B335E")), plain], use_tqdm=False)
+    assert outs[0].error_code == "invalid_grammar" and "cannot be completed" in outs[0].error
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == alone
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_matcher_fault_fails_that_request_alone(llm, monkeypatch, async_scheduling):
     llm.engine.async_scheduling = async_scheduling
     take = StructuredOutputRequest._take

@@ -91,6 +91,8 @@ def test_prepare_uses_only_its_own_attached_grammar(vocab):
 
 @pytest.mark.parametrize("spec, kind, problem", [
     ({"json": {"type": "objectx"}}, "json", 'JSON schema: Unsupported type "objectx"'),
+    # A character no token of the vocabulary produces: sampling would have nothing to draw.
+    ({"regex": "\U000B335E+"}, "regex", "regular expression: no token of this model's vocabulary can start"),
     ({"regex": "a(b"}, "regex", "regular expression: Regex parsing error at position 4: The parenthesis is not closed"),
     ({"grammar": "root ::= foo"}, "grammar", 'grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
     ({"grammar": 'root ::= "a" |'}, "grammar", "grammar: EBNF parser error"),
