@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: app factory, auth, request gate, routes, graceful drain.
 
-    uvicorn (event loop)  --  _Gate  --  FastAPI routes  --  OpenAIServing  --  AsyncEngine (engine thread)
+    uvicorn (event loop)  --  Gate  --  FastAPI routes  --  OpenAIServing  --  AsyncEngine (engine thread)
 
 Lifecycle (exit statuses in ``EXIT_*``):
 - start: the model loads before the port opens, so a reachable /health means ready;
@@ -17,7 +17,6 @@ Lifecycle (exit statuses in ``EXIT_*``):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import threading
@@ -28,16 +27,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 import deepbatch
-from deepbatch.api.auth import KeyFileError, KeyTable, load_keys
+from deepbatch.api.auth import KeyTable, load_keys
 from deepbatch.api.chat_output import load_parsers
 from deepbatch.api.chat_template import install_chat_template
 from deepbatch.api.dashboard import install_dashboard
-from deepbatch.api.errors import (
-    APIError, ContainErrors, bad_request, error_response, from_validation_error, install_error_handlers,
-)
+from deepbatch.api.errors import APIError, ContainErrors, install_error_handlers
+from deepbatch.api.gate import Gate, reload_keys
 from deepbatch.api.metrics import ServerMetrics, cache_config_info, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
@@ -46,6 +43,7 @@ from deepbatch.api.protocol import (
 from deepbatch.api.openapi import (
     HealthStatus, add_request_schemas, error_responses, generation_reply, request_body,
 )
+from deepbatch.api.request_body import body_parser
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.api.serving_tokenize import TOKENIZE_MODELS, add_tokenize_routes
 from deepbatch.engine.async_engine import AsyncEngine
@@ -99,143 +97,6 @@ class ServerState:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)  # a strong reference, so the task is not collected mid-flight
         task.add_done_callback(self.tasks.discard)
-
-
-def bearer_token(headers) -> bytes | None:
-    """The credentials of ``Authorization: Bearer <token>`` (scheme in any case, surrounding
-    whitespace ignored), else None."""
-    raw = next((v for k, v in headers if k == b"authorization"), None)
-    if raw is None:
-        return None
-    parts = raw.strip().split(None, 1)
-    if len(parts) != 2 or parts[0].lower() != b"bearer":
-        return None
-    return parts[1].strip()
-
-
-class _Gate:
-    """Pure-ASGI checks before routing: API key on every route but /health and the dashboard's
-    static files (those are answered before this gate, in ``api/dashboard.py``) (binding the request
-    to the key's tenant and priority ceiling in ``scope["state"]``), the key's in-flight limit,
-    and 503 on /v1 while draining or dead. It also counts replies not yet written, so a forced
-    exit can wait for them. (Starlette's BaseHTTPMiddleware would hide client disconnects.)"""
-
-    def __init__(self, app, engine: AsyncEngine, state: ServerState):
-        self.app = app
-        self.engine = engine
-        self.state = state
-        self.in_flight: dict[bytes, int] = {}  # key digest -> requests in flight
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        error, key = self._admit(scope)
-        if error is not None:
-            return await error_response(error)(scope, receive, send)
-        state = self.state
-        state.open_requests += 1
-        if key is not None:
-            self.in_flight[key] = self.in_flight.get(key, 0) + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                state.open_requests -= 1
-                if key is not None:
-                    left = self.in_flight[key] - 1
-                    if left:
-                        self.in_flight[key] = left
-                    else:
-                        del self.in_flight[key]
-
-        async def tracked_send(message) -> None:
-            await send(message)
-            # The last body part is written: the seat is free even if the app has more to do.
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                release()
-
-        try:
-            await self.app(scope, receive, tracked_send)
-        finally:  # a disconnect or an error: no final body part was sent
-            release()
-
-    def _admit(self, scope) -> tuple[APIError | None, bytes | None]:
-        path = scope["path"]
-        keys = self.state.keys
-        digest = None
-        if keys is not None and path != "/health":
-            token = bearer_token(scope["headers"])
-            found = keys.lookup(token) if token else None
-            if found is None:
-                return APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key",
-                                headers={"WWW-Authenticate": "Bearer"}), None
-            digest, entry = found
-            request_state = scope.setdefault("state", {})
-            request_state["tenant"] = entry.tenant
-            request_state["max_priority"] = entry.max_priority
-        if path.startswith("/v1/") and (self.state.draining or self.engine.is_dead):
-            code = "engine_dead" if self.engine.is_dead else "server_draining"
-            return APIError(503, "the server is shutting down; retry on another replica", code=code), None
-        if digest is not None:
-            limit = entry.max_concurrent
-            if limit is not None and self.in_flight.get(digest, 0) >= limit:
-                return APIError(429, f"this API key already has {limit} request(s) in flight (its max_concurrent); "
-                                     "retry when one finishes", code="rate_limit_exceeded",
-                                headers={"Retry-After": "1"}), None
-        return None, digest
-
-
-def reload_keys(state: ServerState, config: ServerConfig) -> None:
-    """Reread ``--api-keys-file``; a file that does not parse leaves the keys in force."""
-    try:
-        keys = load_keys(config.api_keys_file, config.api_key)
-    except KeyFileError as e:
-        logger.error("API keys not reloaded, the previous ones stay in force: %s", e)
-        return
-    state.keys = keys
-    logger.info("reloaded %d API key(s) from %s", len(keys), config.api_keys_file)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json_object(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past ``limit`` bytes, 400 for anything but an object."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_type")
-    return body
-
-
-def body_parser(max_request_body_bytes: int):
-    """``parse(request, model)``: the body, validated by ``model`` (a pydantic model, or a function
-    of the body that picks one); 413 past the limit, 400 for a body that does not validate."""
-
-    async def parse(request: Request, model):
-        body = await read_json_object(request, max_request_body_bytes)
-        if not isinstance(model, type):
-            model = model(body)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-
-    return parse
 
 
 def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, per_key: bool,
@@ -306,7 +167,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
     app.state.server_state = state
     app.state.engine = engine
     install_error_handlers(app)
-    app.add_middleware(_Gate, engine=engine, state=state)
+    app.add_middleware(Gate, engine=engine, state=state)
     gated = add_generation_routes(app, serving, state.keys is not None, config.api_keys_file is not None,
                                   config.max_request_body_bytes)
     add_tokenize_routes(app, serving, body_parser(config.max_request_body_bytes),

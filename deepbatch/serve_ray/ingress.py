@@ -31,7 +31,9 @@ from deepbatch.api.protocol import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard,
     ModelList,
 )
-from deepbatch.api.server import ServerState, _Gate, add_generation_routes, read_json_object
+from deepbatch.api.gate import Gate
+from deepbatch.api.request_body import read_json_object
+from deepbatch.api.server import ServerState, add_generation_routes
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.serve_ray.args import AppArgs, engine_namespace
 from deepbatch.serve_ray.client import Frontend, RoutedEngineClient
@@ -100,7 +102,7 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
     serving, client, rollout, args = ingress.serving, ingress.client, ingress.rollout, ingress.args
     app = FastAPI(title="deepbatch (Ray Serve)", version=deepbatch.__version__)
     install_error_handlers(app)
-    app.add_middleware(_Gate, engine=client, state=ingress.state)
+    app.add_middleware(Gate, engine=client, state=ingress.state)
     gated = add_generation_routes(app, serving, ingress.state.keys is not None, args.api_keys_file is not None,
                                   args.max_request_body_bytes)
 
