@@ -196,6 +196,21 @@ def test_a_request_is_admitted_only_when_a_seat_is_free():
     runner.run()
 
 
+def test_set_limits_binds_from_the_next_step_and_never_passes_the_configured_maxima():
+    sched = make_scheduler(num_blocks=200, block_size=4, budget=20, max_num_seqs=3)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", prompt_of(4, start=1000 * i), max_tokens=4, arrival=i))
+    sched.set_limits(2, 6)
+    runner = FakeRunner(sched)
+    out, _ = runner.step()  # configured 3 seats and 20 tokens would take three whole prompts
+    assert len(out.scheduled) == 2 and out.num_scheduled_tokens == 6
+    for bad in ((4, 10), (2, 21), (0, 10), (2, 0)):
+        with pytest.raises(ValueError, match="set_limits"):
+            sched.set_limits(*bad)
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2, 6)
+    runner.run()
+
+
 # -- chunked prefill and mixing --------------------------------------------------------------
 
 
