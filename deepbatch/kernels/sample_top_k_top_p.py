@@ -222,6 +222,16 @@ def _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab):
     return tl.where(kept, x - tl.log(g), float("-inf"))
 
 
+@_jit
+def _draw(x, key, e, cols, tau, min_p, seeded, key0, pos, philox_offset, row, vocab, best, best_i):
+    """One tile of the draw pass: the kept set (above the top-k/top-p threshold ``tau``, at least
+    ``min_p`` of the top probability, finite) and the running per-lane best Gumbel score."""
+    kept = (key >= tau) & (e >= min_p) & (x > float("-inf"))
+    score = _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab)
+    better = score > best
+    return kept, tl.where(better, score, best), tl.where(better, cols, best_i)
+
+
 @_jit(do_not_specialize=("philox_seed", "philox_offset"))
 def _sample_top_k_top_p_kernel(
     logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, seeded_ptr,
@@ -277,11 +287,8 @@ def _sample_top_k_top_p_kernel(
         if n_cand >= 0:
             for c in range((n_cand + BLOCK - 1) // BLOCK):
                 x, key, e, cols = _load_candidates(cand_key_row, cand_col_row, c * BLOCK + offs, n_cand, m)
-                kept = (key >= tau) & (e >= min_p) & (x > float("-inf"))
-                score = _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab)
-                better = score > best
-                best_i = tl.where(better, cols, best_i)
-                best = tl.where(better, score, best)
+                kept, best, best_i = _draw(x, key, e, cols, tau, min_p, seeded, key0, pos, philox_offset, row,
+                                           vocab, best, best_i)
                 if WRITE_KEPT:
                     tl.store(kept_ptr + row * vocab + cols, kept, mask=c * BLOCK + offs < n_cand)
         else:
@@ -290,11 +297,8 @@ def _sample_top_k_top_p_kernel(
                 if (tile_key >= tau) & (tile_key > -2139095041):  # some element kept: above -inf
                     cols = t * BLOCK + offs
                     x, key, e = _load_row(base, cols, vocab, inv_t, m)
-                    kept = (key >= tau) & (e >= min_p) & (x > float("-inf"))
-                    score = _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab)
-                    better = score > best
-                    best_i = tl.where(better, cols, best_i)
-                    best = tl.where(better, score, best)
+                    kept, best, best_i = _draw(x, key, e, cols, tau, min_p, seeded, key0, pos, philox_offset, row,
+                                               vocab, best, best_i)
                     if WRITE_KEPT:
                         tl.store(kept_ptr + row * vocab + cols, kept, mask=cols < vocab)
     else:
