@@ -36,10 +36,16 @@ def error_responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s]} for s in statuses if s}
 
 
-def generation_reply(model) -> dict:
-    return {200: {"model": model, "description": "The reply; with stream=true, server-sent events of chunks, "
-                                                 "then 'data: [DONE]'",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+# OpenAPI 3.1 reads an event stream's `schema` as the shape of each event (3.2 names it
+# `itemSchema`): one `data` line holding a JSON chunk, or the closing `[DONE]`.
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "A JSON chunk object, or [DONE] after the last one"},
+        "event": {"type": "string", "enum": ["message"]},
+    },
+}
 
 
 def request_body(model) -> dict:
@@ -64,3 +70,10 @@ def add_request_schemas(app: FastAPI, models: list) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def generation_reply(model) -> dict:
+    return {200: {"model": model, "description": "The reply; with stream=true, server-sent events of chunks, "
+                                                 "then 'data: [DONE]'",
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
+

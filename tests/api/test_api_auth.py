@@ -343,3 +343,21 @@ def test_replies_match_the_documented_responses(case):
         response = case.call(headers=headers)
         case.validate_response(response, checks=[status_code_conformance, content_type_conformance,
                                                   response_schema_conformance])
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                              "stream": True}),
+])
+def test_a_stream_matches_the_documented_event_schema(path, body):
+    """The fuzzer reaches a 200 stream only by chance; every streamed event must still fit the
+    documented event shape (a schema that described the whole stream as one string once let every
+    event fail validation)."""
+    case = _schema[path]["POST"].Case(body=body, media_type="application/json")
+    response = case.call(headers=bearer(PLAIN_KEY))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"][0].startswith("text/event-stream")
+    assert response.text.rstrip().endswith("data: [DONE]")
+    case.validate_response(response, checks=[status_code_conformance, content_type_conformance,
+                                              response_schema_conformance])
