@@ -4,8 +4,9 @@
     step:       out = scheduler.schedule()
                 pending = runner.launch(out)                  # forward + sampling, not waited for
                 scheduler.advance(out)                        # counters move on
-                _commit(out, pending)                         # sampled ids: EOS, stop ids, lengths,
-                                                              # detokenize, stop strings, stats
+                outputs.process(pending.resolve())            # the output processor: stop ids,
+                                                              # lengths, detokenize, stop strings,
+                                                              # grammars, logprobs; finished here
 
 With async scheduling (the default on a GPU) the host schedules and launches step N+1 before it
 waits for step N's sampled ids, so scheduling, batch building and output handling overlap the
@@ -27,22 +28,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from deepbatch.config import EngineConfig
 from deepbatch.kv_cache.host_memory import check_swap_space
-from deepbatch.engine.detokenizer import Detokenizer
 from deepbatch.core.errors import InvalidRequestError
-from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepbatch.core.request import Request, RequestStatus
+from deepbatch.core.outputs import RequestOutput
+from deepbatch.core.request import Request
 from deepbatch.core.sampling_params import SamplingParams
+from deepbatch.engine.output_processor import EngineStats, OutputProcessor, StepResult
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
-from deepbatch.sampling.sampler import PendingSample, SamplerOutput
+from deepbatch.sampling.sampler import PendingSample
 from deepbatch.control.controller import make_controller
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler
@@ -51,16 +52,6 @@ from deepbatch.structured_output.grammar import GrammarCache
 from deepbatch.structured_output.matcher import StructuredOutputRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Monotonic counters since start (the metrics exporter reads deltas of these)."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -98,12 +89,12 @@ class LLMEngine:
         # duration is from the later of the two to its commit: under async scheduling that is the
         # commit-to-commit interval, and it never counts time the engine sat idle.
         self._last_commit = 0.0
-        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
         # Compiled grammars over the logits' width; xgrammar is imported on the first use.
         self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
-        self._children: dict[str, list[Request]] = {}  # parent id -> its n samples
+        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.stats,
+                                       release=self.runner.forget)
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
@@ -253,24 +244,14 @@ class LLMEngine:
 
     def enqueue(self, requests: list[Request]) -> str:
         """Queue the samples of one parent request (from ``make_requests``); returns its id."""
-        parent = requests[0].parent_id
-        if parent in self._children:
-            raise InvalidRequestError("request_id", f"request id {parent!r} is already in use")
-        self._children[parent] = requests
+        parent = self.outputs.add(requests)
         for r in requests:
             self.scheduler.add_request(r)
         return parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (all its samples) now and free its KV blocks."""
-        children = self._children.pop(request_id, None)
-        if children is None:
-            return None
-        for r in children:
-            if not r.is_finished:
-                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
-                self._on_finished(r)
-        return self._output(request_id, children)
+        return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -295,142 +276,58 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
-        touched: dict[str, None] = {}
-        pipelined = self.async_scheduling
-        if not pipelined and self._inflight is not None:
-            self._commit(*self._inflight, touched)  # drain before running synchronously
+        result = StepResult()
+        if self.async_scheduling:
+            self._step_async(result)
+        elif self._inflight is not None:  # switched to synchronous: commit the launched step first
+            self._commit(*self._inflight, result)
             self._inflight = None
-            return self._collect(touched, finished_only)
+        else:
+            self._step_sync(result)
+        return self.outputs.collect(result.touched, finished_only)
+
+    def _step_sync(self, result: StepResult) -> None:
+        out, pending, started = self._schedule_and_launch(result)
+        self.scheduler.advance(out, pending=False)
+        if pending is not None:
+            self._commit(out, pending, started, result)
+
+    def _step_async(self, result: StepResult) -> None:
+        """Launch step N+1, then commit step N: the host's work overlaps the device's."""
+        out, pending, started = self._schedule_and_launch(result)
+        if self._inflight is not None:
+            self._commit(*self._inflight, result)  # waits for the previous step only
+        self.scheduler.advance(out, pending=True)
+        self._inflight = (out, pending, started) if pending is not None else None
+
+    def _schedule_and_launch(self, result: StepResult) -> tuple[SchedulerOutput, PendingSample | None, float]:
         started = time.monotonic()
         out = self.scheduler.schedule()
-        for r in out.finished:
-            self._on_finished(r)
-            touched[r.parent_id] = None
-        pending = None
+        for r in out.finished:  # ended by the scheduler: can never fit in the KV cache
+            self.outputs.on_finished(r)
+            result.touched[r.parent_id] = None
         if out.is_empty:
             if out.blocks_to_swap_out:  # a step may preempt by swap and schedule nothing
                 self.runner.swap_blocks(out)
-        else:
-            self.stats.num_steps += 1
-            for s in out.scheduled:
-                r = s.request
-                if r.num_computed_tokens < r.num_prompt_tokens:  # before advance: prompt tokens run now
-                    self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
-            pending = self.runner.launch(out)
-        if not pipelined:
-            self.scheduler.advance(out, pending=False)
-            if pending is not None:
-                self._commit(out, pending, started, touched)
-            return self._collect(touched, finished_only)
-        if self._inflight is not None:
-            self._commit(*self._inflight, touched)  # waits for the previous step only
-        self.scheduler.advance(out, pending=True)
-        self._inflight = (out, pending, started) if pending is not None else None
-        return self._collect(touched, finished_only)
+            return out, None, started
+        self.stats.num_steps += 1
+        for s in out.scheduled:
+            r = s.request
+            if r.num_computed_tokens < r.num_prompt_tokens:  # before advance: prompt tokens run now
+                self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
+        return out, self.runner.launch(out), started
 
-    def _commit(self, out: SchedulerOutput, pending: PendingSample, started: float, touched: dict[str, None]) -> None:
-        """Take a launched step's sampled tokens: stop checks, detokenize, timestamps."""
-        sampler_out: SamplerOutput = pending.resolve()
-        sampling = [s.request for s in out.scheduled if s.samples]
+    def _commit(self, out: SchedulerOutput, pending: PendingSample, started: float, result: StepResult) -> None:
+        """Hand a launched step's sampled tokens to the output processor; feed the controller."""
+        sampled = pending.resolve()
         now = time.monotonic()
-        first_token, done = [], []
-        errors = sampler_out.errors or {}
-        for i, (r, token) in enumerate(zip(sampling, sampler_out.token_ids)):
-            if r.is_finished:
-                continue  # stopped or aborted while this step ran; its token is dropped
-            touched[r.parent_id] = None
-            if i in errors:
-                self._fail_request(r, errors[i])
-                continue
-            self.stats.num_generation_tokens += 1
-            finished = self.scheduler.commit_token(r, token)
-            if r.first_token_time is None:
-                r.first_token_time = now
-                first_token.append(r)
-            r.last_token_time = now
-            if sampler_out.logprobs is not None and r.logprobs is not None:
-                r.logprobs.append(sampler_out.logprobs[i])
-            try:
-                stop = self.detokenizer.update(r, [token])
-            except Exception as e:  # noqa: BLE001 - a token this request's text cannot take ends it alone
-                message = f"detokenization failed: {type(e).__name__}: {e}"[:500]
-                if finished:  # it had just finished (length, stop id): it keeps its reason
-                    r.error = message
-                    self._on_finished(r)
-                else:
-                    self._fail_request(r, message)
-                continue
-            if stop is not None and not r.is_finished:
-                r.stop_reason = stop
-                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-                finished = True
-            if not r.is_finished and r.structured_output is not None:
-                error = r.structured_output.advance(r.output_token_ids)
-                if error is not None:
-                    self._fail_request(r, error, r.structured_output.error_code)
-                    continue
-                if r.structured_output.is_terminated:  # the grammar took a stop token: complete
-                    self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-                    finished = True
-            if finished:
-                self._on_finished(r)
-                done.append(r)
+        first, done = len(result.first_token), len(result.done)
+        self.outputs.process([s.request for s in out.scheduled if s.samples], sampled.token_ids, sampled.logprobs,
+                             sampled.errors, now, result)
         if self.controller is not None:
             # Under async scheduling a step's time runs from the previous commit, not from
             # when it was scheduled (it waited behind the step before it).
             started = max(started, self._last_commit)
-            self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled), first_token, done)
+            self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
+                                         result.first_token[first:], result.done[done:])
             self._last_commit = now
-
-    def _fail_request(self, r: Request, message: str, code: str | None = None) -> None:
-        """End one request with an error (its own fault); the engine and the rest go on."""
-        logger.warning("request %s failed: %s", r.request_id, message)
-        r.error = message
-        r.error_code = code
-        self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ERROR)
-        self._on_finished(r)
-
-    def _on_finished(self, r: Request) -> None:
-        self.runner.forget(r.request_id)
-        if r.structured_output is not None:
-            r.structured_output.release()
-            r.structured_output = None
-        reason = r.finish_reason or "abort"
-        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
-
-    def _collect(self, parent_ids, finished_only: bool = False) -> list[RequestOutput]:
-        outputs = []
-        for pid in parent_ids:
-            children = self._children.get(pid)
-            if children is None or (finished_only and not all(r.is_finished for r in children)):
-                continue
-            o = self._output(pid, children)
-            if o.finished:
-                del self._children[pid]
-            outputs.append(o)
-        return outputs
-
-    @staticmethod
-    def _output(parent_id: str, children: list[Request]) -> RequestOutput:
-        first = children[0]
-        completions = [
-            CompletionOutput(r.index, r.output_text, r.output_token_ids[: r.num_output_tokens - r.num_pending_tokens],
-                             r.finish_reason, r.stop_reason,
-                             list(r.logprobs) if r.logprobs is not None else None)
-            for r in children
-        ]
-        failed = [r for r in children if r.error]
-        return RequestOutput(
-            request_id=parent_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=all(r.is_finished for r in children),
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            error=failed[0].error if failed else None,
-            error_code=failed[0].error_code if failed else None,
-            metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
-                                   max((r.finished_time or 0.0) for r in children) or None,
-                                   sum(r.num_preemptions for r in children)),
-            tenant=first.tenant,
-        )

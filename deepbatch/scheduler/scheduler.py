@@ -301,21 +301,11 @@ class Scheduler:
             self._preempt(last, out)
             out.preempted.append(last)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after the model ran; append sampled tokens; return the requests that
-        finished through a stop condition the scheduler can see (EOS, stop ids, lengths)."""
-        self.advance(out, pending=False)
-        finished = []
-        for s in out.scheduled:
-            token = sampled.get(s.request.request_id)
-            if token is not None and self.commit_token(s.request, token):
-                finished.append(s.request)
-        return finished
-
     def advance(self, out: SchedulerOutput, pending: bool = True) -> None:
         """Count the step's tokens as computed once the step is launched. With ``pending``, a
         request that samples gets a pending token, so the next step can be scheduled before the
-        sampled id reaches the host (async scheduling); ``commit_token`` fills it in."""
+        sampled id reaches the host (async scheduling); the engine's output processor fills it in
+        and decides whether the request is done (``finish_request``)."""
         for s in out.scheduled:
             request = s.request
             if request.is_finished:
@@ -324,38 +314,7 @@ class Scheduler:
             if s.samples and pending:
                 request.append_pending_token()
 
-    def commit_token(self, request: Request, token: int) -> bool:
-        """Record a sampled token (filling the pending one, if any) and apply the stop checks.
-        Returns True when the request finished here."""
-        if request.num_pending_tokens:
-            request.commit_pending_token(token)
-        else:
-            request.append_output_token(token)
-        status = self._check_stop(request, token)
-        if status is None:
-            return False
-        if request in self.running:
-            self._remove_running(request)
-        elif request in self.waiting:  # preempted while its last token was in flight
-            self.waiting.remove(request)
-        self.requests.pop(request.request_id, None)
-        self._finish(request, status)
-        return True
-
     # -- internals ---------------------------------------------------------------------------
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        n_out = request.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in params._eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if self._reaches_length(request):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _reaches_length(self, request: Request) -> bool:
         return request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len

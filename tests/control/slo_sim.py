@@ -18,6 +18,7 @@ from deepbatch.core.request import Request
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
+from tests.scheduler.commit import commit_step
 
 _ids = itertools.count()
 
@@ -143,7 +144,7 @@ def simulate(arrivals: list[Arrival], sched: Scheduler, clock: Clock, model: Ste
         clock.t += dt
         steps += 1
         sampled_reqs = [s.request for s in out.scheduled if s.samples]
-        finished = sched.update(out, {r.request_id: 5 for r in sampled_reqs})
+        finished = commit_step(sched, out, {r.request_id: 5 for r in sampled_reqs})
         first = []
         for r in sampled_reqs:
             if r.first_token_time is None:

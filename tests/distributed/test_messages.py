@@ -18,6 +18,7 @@ from deepbatch.core.request import Request, RequestStatus
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
+from tests.scheduler.commit import commit_step
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
@@ -66,7 +67,7 @@ def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abo
         assert isinstance(msg, StepMessage)
         _check_step(out, mirror.apply(msg))
         sampled = {s.request.request_id: rng.randrange(3, 50) for s in out.scheduled if s.samples}
-        for r in sched.update(out, sampled):
+        for r in commit_step(sched, out, sampled):
             builder.forget(r.request_id)
             live.pop(r.request_id)
         if abort_every and stats["steps"] % abort_every == 0 and sched.running:

@@ -23,6 +23,7 @@ from deepbatch.kv_cache.manager import NULL_BLOCK, KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel
 from deepbatch.scheduler.preemption import RECOMPUTE, SWAP, Preemptor
 from deepbatch.scheduler.scheduler import Scheduler
+from tests.scheduler.commit import commit_step
 
 FILLER = 7
 SWAP_WINS = dict(prefill_tokens_per_s=1e3, host_link_bytes_per_s=1e12, kv_bytes_per_block=1024)
@@ -99,7 +100,7 @@ class WindowRunner:
                 got = [self.cache.get(self.slot(r, k)) for k in keys]
                 assert got == r.all_token_ids[keys.start:p + 1], f"{r.request_id} reads someone else's KV"
         sampled = {s.request.request_id: FILLER for s in out.scheduled if s.samples}
-        sched.update(out, sampled)
+        commit_step(sched, out, sampled)
         self.check_accounting()
         return out
 
@@ -137,7 +138,7 @@ def test_without_a_window_the_same_request_never_fits():
     sched.add_request(r)
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update(out, {s.request.request_id: FILLER for s in out.scheduled if s.samples})
+        commit_step(sched, out, {s.request.request_id: FILLER for s in out.scheduled if s.samples})
     assert r.status == RequestStatus.FINISHED_ERROR
 
 

@@ -81,14 +81,14 @@ def test_nan_logits_fail_only_that_request(base_config, reference):
 
 def test_detokenizer_fault_fails_only_that_request(base_config, reference):
     engine = LLMEngine(base_config)
-    update = engine.detokenizer.update
+    update = engine.outputs.detokenizer.update
 
     def failing(request, token_ids):
         if request.request_id == VICTIM and request.num_output_tokens == 3:
             raise ValueError("cannot decode")
         return update(request, token_ids)
 
-    engine.detokenizer.update = failing
+    engine.outputs.detokenizer.update = failing
     done = run(engine)
     assert_only_victim_failed(done, reference, "detokenization failed")
     assert len(done[VICTIM].outputs[0].token_ids) == 3

@@ -7,6 +7,7 @@ from deepbatch.core.request import Request, RequestStatus
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
+from tests.scheduler.commit import commit_step
 
 
 def run(admission: str):
@@ -19,7 +20,7 @@ def run(admission: str):
     steps = 0
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update(out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
+        commit_step(sched, out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
         steps += 1
         assert steps < 5000
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 48 for r in reqs)
@@ -56,7 +57,7 @@ def admission_steps(batch: int, delay_ms: float, clock_step_s: float = 0.001):
         if admitted and running_before:
             mixed += 1
             group_sizes.append(len(admitted))
-        sched.update(out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
+        commit_step(sched, out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
         now[0] += clock_step_s
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
     return mixed, group_sizes

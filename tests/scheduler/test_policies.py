@@ -10,6 +10,7 @@ from deepbatch.core.request import Request, RequestStatus
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
+from tests.scheduler.commit import commit_step
 
 _ids = itertools.count()
 
@@ -40,7 +41,7 @@ def step(sched, clock, tokens_by_tenant=None):
     for s in out.scheduled:
         if tokens_by_tenant is not None:
             tokens_by_tenant[s.request.tenant] = tokens_by_tenant.get(s.request.tenant, 0) + s.num_new_tokens
-    sched.update(out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
+    commit_step(sched, out, {s.request.request_id: 5 for s in out.scheduled if s.samples})
     clock.t += 0.01  # a simulated step time
     return out
 

@@ -25,6 +25,7 @@ from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
 from deepbatch.core.scheduler_output import SchedulerOutput
+from tests.scheduler.commit import commit_step
 
 FILLER = 7  # what the fake model samples unless told otherwise; never a stop token here
 
@@ -135,7 +136,7 @@ class FakeRunner:
         phases = {s.request.is_prefill for s in out.scheduled}
         self.mixed_steps += phases == {True, False}
         sampled = {s.request.request_id: self.sample(s.request) for s in out.scheduled if s.samples}
-        finished = sched.update(out, sampled)
+        finished = commit_step(sched, out, sampled)
         for r in finished:
             assert r.is_finished and r.block_ids == []
             assert r not in sched.running

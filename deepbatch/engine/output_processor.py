@@ -1,0 +1,208 @@
+"""The one place where a sampled token becomes output, and where "finished" is decided.
+
+For each token a step sampled, in this order::
+
+    record it           fills the request's pending token (async scheduling) or appends it
+    stop ids, length    EOS (unless ignore_eos), stop_token_ids (after min_tokens), max_tokens
+    detokenize          the text so far; a stop string truncates it and stops the request
+    grammar             structured output advances its matcher; a completed grammar stops it
+    logprobs            the sampled token's and the top ones, if asked
+
+A request that ends here is removed from the scheduler (its blocks freed at once) and its
+per-request state released. Outputs are built per parent request (``n`` samples share one).
+The scheduler never decides that a request is done, except when it can never fit in the KV
+cache; the engine hands those here through ``on_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepbatch.core.request import Request, RequestStatus
+from deepbatch.engine.detokenizer import Detokenizer
+from deepbatch.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (the metrics exporter reads deltas of these)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """The stop condition that the newest token ``token`` meets, if any (stop strings and
+    grammars are checked after detokenization)."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in params._eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+@dataclass
+class StepResult:
+    """What one committed step changed: the parents to report, and for the SLO controller the
+    requests that got their first token and those that finished normally."""
+
+    touched: dict[str, None] = field(default_factory=dict)  # parent ids, in order
+    first_token: list[Request] = field(default_factory=list)
+    done: list[Request] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer, max_model_len: int, stats: EngineStats,
+                 release: Callable[[str], None]):
+        self.scheduler = scheduler
+        self.detokenizer = Detokenizer(tokenizer)
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self._release = release  # drops the runner's per-request state
+        self.parents: dict[str, list[Request]] = {}  # parent id -> its n samples
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, requests: list[Request]) -> str:
+        """Track the samples of one parent request; returns its id."""
+        parent = requests[0].parent_id
+        if parent in self.parents:
+            raise InvalidRequestError("request_id", f"request id {parent!r} is already in use")
+        self.parents[parent] = requests
+        return parent
+
+    def abort(self, parent_id: str) -> RequestOutput | None:
+        """End a parent request (all its samples) now; its final output."""
+        children = self.parents.pop(parent_id, None)
+        if children is None:
+            return None
+        for r in children:
+            if not r.is_finished:
+                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
+                self.on_finished(r)
+        return make_output(parent_id, children)
+
+    # -- a step's tokens ----------------------------------------------------------------------
+
+    def process(self, sampled: list[Request], token_ids: list[int], logprobs, errors: dict[int, str] | None,
+                now: float, result: StepResult) -> None:
+        """Take one step's sampled tokens (row ``i`` belongs to ``sampled[i]``)."""
+        errors = errors or {}
+        for i, (r, token) in enumerate(zip(sampled, token_ids)):
+            if r.is_finished:
+                continue  # stopped or aborted while this step ran; its token is dropped
+            result.touched[r.parent_id] = None
+            if i in errors:
+                self.fail(r, errors[i])
+                continue
+            self.stats.num_generation_tokens += 1
+            if r.num_pending_tokens:
+                r.commit_pending_token(token)
+            else:  # a synchronous step: the token was not counted yet
+                r.append_output_token(token)
+            if r.first_token_time is None:
+                r.first_token_time = now
+                result.first_token.append(r)
+            r.last_token_time = now
+            if logprobs is not None and r.logprobs is not None:
+                r.logprobs.append(logprobs[i])
+            status = self._stop_status(r, token)
+            if status is None or r.is_finished:  # r.is_finished: it failed in _stop_status
+                continue
+            self.scheduler.finish_request(r.request_id, status)
+            self.on_finished(r)
+            result.done.append(r)
+
+    def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
+        status = check_stop(r, token, self.max_model_len)
+        try:
+            stop = self.detokenizer.update(r, [token])
+        except Exception as e:  # noqa: BLE001 - a token this request's text cannot take ends it alone
+            message = f"detokenization failed: {type(e).__name__}: {e}"[:500]
+            if status is None:
+                self.fail(r, message)
+            else:  # it had just finished (length, stop id): it keeps its reason
+                r.error = message
+            return status
+        if stop is not None and status is None:
+            r.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if status is None and r.structured_output is not None:
+            error = r.structured_output.advance(r.output_token_ids)
+            if error is not None:
+                self.fail(r, error, r.structured_output.error_code)
+                return None
+            if r.structured_output.is_terminated:  # the grammar took a stop token: complete
+                return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def fail(self, r: Request, message: str, code: str | None = None) -> None:
+        """End one request with an error (its own fault); the engine and the rest go on."""
+        logger.warning("request %s failed: %s", r.request_id, message)
+        r.error = message
+        r.error_code = code
+        self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_ERROR)
+        self.on_finished(r)
+
+    def on_finished(self, r: Request) -> None:
+        """Release what a finished request holds beyond its KV blocks (already freed)."""
+        self._release(r.request_id)
+        if r.structured_output is not None:
+            r.structured_output.release()
+            r.structured_output = None
+        reason = r.finish_reason or "abort"
+        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def collect(self, parent_ids, finished_only: bool = False) -> list[RequestOutput]:
+        """An output per parent in ``parent_ids`` (with ``finished_only``, only for those whose
+        samples all finished: offline runs skip building the rest); finished ones are dropped."""
+        outputs = []
+        for pid in parent_ids:
+            children = self.parents.get(pid)
+            if children is None or (finished_only and not all(r.is_finished for r in children)):
+                continue
+            o = make_output(pid, children)
+            if o.finished:
+                del self.parents[pid]
+            outputs.append(o)
+        return outputs
+
+
+def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
+    first = children[0]
+    completions = [
+        CompletionOutput(r.index, r.output_text, r.output_token_ids[: r.num_output_tokens - r.num_pending_tokens],
+                         r.finish_reason, r.stop_reason,
+                         list(r.logprobs) if r.logprobs is not None else None)
+        for r in children
+    ]
+    failed = [r for r in children if r.error]
+    return RequestOutput(
+        request_id=parent_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=all(r.is_finished for r in children),
+        num_cached_tokens=max(first.num_cached_tokens, 0),
+        error=failed[0].error if failed else None,
+        error_code=failed[0].error_code if failed else None,
+        metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                               max((r.finished_time or 0.0) for r in children) or None,
+                               sum(r.num_preemptions for r in children)),
+        tenant=first.tenant,
+    )
