@@ -15,118 +15,12 @@ import logging
 import sys
 
 from deepbatch import envs
-
-
-def _add_engine_args(p: argparse.ArgumentParser, positional_model: bool) -> None:
-    if positional_model:
-        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="a .gguf file or an HF model directory (default: the embedded SmolLM2)")
-    p.add_argument("--model", default=None, help="same as MODEL")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, float16, bfloat16")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of shared prompt prefixes")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
-                   help="KV cache storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with the checkpoint's "
-                        "per-layer k_scale/v_scale (else 1.0); int8 with a scale per token and KV head")
-    p.add_argument("--quantization", choices=["fp8", "awq", "gptq", "compressed-tensors"], default=None,
-                   help="weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; "
-                        "a quantized checkpoint's format is read from its config.json (naming it here only checks it)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
-    p.add_argument("--swap-space", type=float, default=0.0,
-                   help="host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
-    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto",
-                   help="auto: swap or recompute each victim, whichever the cost model says is cheaper")
-    p.add_argument("--swap-prefill-tokens-per-s", type=float, default=None,
-                   help="prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
-    p.add_argument("--swap-host-link-bytes-per-s", type=float, default=None,
-                   help="host-link rate the swap-or-recompute choice assumes (default: measured at start-up)")
-    p.add_argument("--scheduling-policy", default="fcfs",
-                   help="fcfs, priority, or fair (per-tenant fair share; the tenant is the request's 'user')")
-    p.add_argument("--priority-aging-s", type=float, default=30.0,
-                   help="priority policy: a waiting request gains one priority level per this many seconds")
-    p.add_argument("--tenant-max-running", type=int, default=None, help="most running requests per tenant")
-    p.add_argument("--tenant-max-tokens-per-minute", type=int, default=None, help="scheduled tokens per tenant per minute")
-    p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy",
-                   help="predictive: admit only when the expected output also fits, to avoid preemption")
-    p.add_argument("--kv-watermark", type=float, default=0.01, help="fraction of KV blocks kept free at admission")
-    p.add_argument("--admission-batch-size", type=int, default=1,
-                   help="while decoding, admit waiting requests in groups of this many (fewer eager prefill steps)")
-    p.add_argument("--admission-max-delay-ms", type=float, default=250.0,
-                   help="longest a free seat waits for its admission group")
-    p.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
-                   help="static: fixed batches (only to compare against continuous batching)")
-    p.add_argument("--static-batch-size", type=int, default=8, help="batch size of --scheduling static")
-    p.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="p99 time-to-first-token target; turns on the SLO controller, which tunes "
-                        "--max-num-seqs and --max-num-batched-tokens (as upper limits) online")
-    p.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="p99 time-per-output-token target of the SLO controller")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full",
-                   help="full: graphs for steps with prefill chunks too (Triton backend); decode: decode-only steps")
-    p.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="expanded",
-                   help="MLA models, prefill chunks: attend over their new tokens' keys and values decompressed by "
-                        "kv_b_proj (expanded, the default; 3.4x fewer FLOPs) or in the latent space (absorbed); "
-                        "cached context is attended in the latent space either way")
-    p.add_argument("--fused-sampler", action=argparse.BooleanOptionalAction, default=True,
-                   help="sample temperature-only batches with one Triton pass over the logits (GPU; default on)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the device runs this one (default: on for CUDA)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over this many ranks (GPUs, or CPU processes over gloo)")
-    p.add_argument("--distributed-timeout-s", type=float, default=60.0,
-                   help="tensor parallel: longest a collective or a worker's step may take before the engine is "
-                        "declared dead")
+from deepbatch.engine_args import add_engine_args, engine_config, engine_kwargs_from_args
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    """The frozen EngineConfig, built as ``LLM.__init__`` builds it."""
-    from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                                  default_device, resolve_dtype)
-
-    model = getattr(args, "model_tag", None) or args.model
-    device = args.device or default_device()
-    return EngineConfig(
-        model=ModelConfig(model, resolve_dtype(args.dtype, device), args.max_model_len, args.seed, False,
-                          args.tokenizer, envs.DEEPBATCH_CACHE_DIR, quantization=args.quantization),
-        cache=CacheConfig(args.block_size, args.gpu_memory_utilization, args.enable_prefix_caching,
-                          args.num_gpu_blocks_override, swap_space=args.swap_space,
-                          swap_prefill_tokens_per_s=args.swap_prefill_tokens_per_s,
-                          swap_host_link_bytes_per_s=args.swap_host_link_bytes_per_s,
-                          kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy,
-            priority_aging_s=args.priority_aging_s,
-            tenant_max_running=args.tenant_max_running,
-            tenant_max_tokens_per_minute=args.tenant_max_tokens_per_minute,
-            static_batch_size=args.static_batch_size if args.scheduling == "static" else None,
-            admission=args.admission,
-            admission_batch_size=args.admission_batch_size,
-            admission_max_delay_ms=args.admission_max_delay_ms,
-            kv_watermark=args.kv_watermark,
-            slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms,
-            preemption_mode=args.preemption_mode,
-        ),
-        device=device,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_mode=args.cuda_graph_mode,
-        mla_prefill=args.mla_prefill,
-        fused_sampler=args.fused_sampler,
-        async_scheduling=args.async_scheduling,
-        parallel=ParallelConfig(args.tensor_parallel_size, args.distributed_timeout_s),
-        fault_inject_sample_request=envs.DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST,
-    )
+    """The frozen EngineConfig of the engine flags, built by the builder behind ``LLM(...)``."""
+    return engine_config(**engine_kwargs_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_engine_args(serve, positional_model=True)
+    add_engine_args(serve, positional_model=True)
     serve.add_argument("--host", default="0.0.0.0", help="address to bind")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", nargs="+", default=None,
@@ -184,20 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=lambda a, m=module: (m.run(a), 0)[1])
 
     doctor = sub.add_parser("doctor", help="GPUs, memory, cgroup limits and the KV capacity of these settings")
-    _add_engine_args(doctor, positional_model=True)
+    add_engine_args(doctor, positional_model=True)
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=_doctor)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("prompt")
-    _add_engine_args(gen, positional_model=False)
+    add_engine_args(gen, positional_model=False)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=_generate)
 
     chat = sub.add_parser("chat", help="chat in the terminal (one line per turn; EOF ends)")
-    _add_engine_args(chat, positional_model=False)
+    add_engine_args(chat, positional_model=False)
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--system", default=None, help="a system message to start the conversation")

@@ -2,11 +2,16 @@
 
 Values discovered at start-up (the number of KV blocks after memory profiling) are returned by
 the component that finds them, never written back here.
+
+Every field is either an engine argument, declared with ``arg(...)`` (its help text, choices and
+spelling), or marked ``internal(...)``: ``deepbatch/engine_args.py`` generates the CLI flags and
+the ``LLM(...)`` keywords from these declarations, so a field is described here and nowhere else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -35,19 +40,79 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         raise ValueError(f"dtype: unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}") from None
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # an ArgSpec default not given (None is a value: "resolve at build time")
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """How a config field is offered to users: ``LLM(name=...)`` and ``--name`` (dashes)."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    # vLLM's spelling when it differs from the field's (``scheduling_policy`` for ``policy``).
+    name: str | None = None
+    aliases: tuple[str, ...] = ()  # more CLI spellings (``-tp``)
+    # The default users see when the field has none, or when the edge resolves it at build time
+    # (``device=None``: cuda when available); UNSET: the field's own default.
+    user_default: Any = UNSET
+    cli_default: Any = UNSET  # where the CLI's default differs from LLM(...)'s
+    type: Any = None  # what users pass when it differs from the stored type (dtype: a name)
+    internal: bool = False  # set by the edge or by tests, never offered to users
+    env: str | None = None  # internal: read from this deepbatch.envs variable at build time
+
+
+def arg(default: Any = MISSING, help: str = "", **spec: Any) -> Any:
+    """A field that is an engine argument (``ArgSpec`` names the rest); MISSING: a required field."""
+    meta = {"arg": ArgSpec(help, **spec)}
+    return field(metadata=meta) if default is MISSING else field(default=default, metadata=meta)
+
+
+def internal(default: Any, why: str, env: str | None = None) -> Any:
+    """A field that is not an engine argument: derived, for tests, or read from ``env``."""
+    return field(default=default, metadata={"arg": ArgSpec(why, internal=True, env=env)})
+
+
+def _check_choices(config: Any) -> None:
+    """Each field with choices holds one of them (None too where the field may be None)."""
+    for f in fields(config):
+        spec = f.metadata.get("arg")
+        if spec is None or spec.choices is None:
+            continue
+        value = getattr(config, f.name)
+        if value in spec.choices or (value is None and "None" in str(f.type).replace(" ", "").split("|")):
+            continue
+        raise ValueError(f"{spec.name or f.name}: must be one of {', '.join(spec.choices)}; got {value!r}")
+
+
+# Weight formats --quantization names (deepbatch/layers/quantization); fp8 is also applied online.
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None  # None means the embedded default (SmolLM2-135M-Instruct, GGUF)
-    dtype: torch.dtype
-    max_model_len: int | None  # None: the model's own context length
-    seed: int = 0
-    random_weights: bool = False  # build from config.json with seeded random weights (benchmarks)
-    tokenizer: str | None = None
-    # Where the config and tokenizer converted from a GGUF file are cached (None: no cache).
-    cache_dir: str | None = None
-    # A weight format applied while loading a 16-bit checkpoint ("fp8"), or the checkpoint's own
-    # quant_method named explicitly; None: whatever config.json's quantization_config says.
-    quantization: str | None = None
+    model: str | None = arg(help="a .gguf file, an HF model directory, or a bare config.json (random weights); "
+                                 "default: the embedded SmolLM2-135M-Instruct", user_default=None)
+    dtype: torch.dtype = arg(help="auto (bf16 on GPU, fp32 on CPU), float32, float16, bfloat16 (also fp32, fp16, "
+                                  "half, bf16; LLM(...) also takes a torch.dtype)", user_default="auto", type=str)
+    max_model_len: int | None = arg(help="context length (default: the model's)", user_default=None)
+    seed: int = arg(0, "seed of torch's generator at start-up and of random weights")
+    random_weights: bool = arg(False, "build the model with seeded random weights instead of loading them "
+                                      "(benchmarks; a bare config.json always does)")
+    tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
+    cache_dir: str | None = internal(None, "where the config and tokenizer converted from a GGUF file are cached "
+                                           "(None: no cache)", env="DEEPBATCH_CACHE_DIR")
+    quantization: str | None = arg(
+        None, "weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; a quantized "
+              "checkpoint's format is read from its config.json (naming it here only checks it)",
+        choices=QUANTIZATION_METHODS)
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
 
 
 # How the paged KV cache stores K and V (vLLM's names plus int8; deepbatch/kernels/kv_quant.py):
@@ -58,23 +123,23 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    # Fixes the number of KV blocks instead of profiling memory (tests, reproducible runs).
-    num_gpu_blocks_override: int | None = None
-    # KV budget on the CPU, where there is no device memory to profile.
-    cpu_kv_cache_bytes: int = 2 << 30
-    # Host memory (GiB) for preemption by swap (vLLM's --swap-space); 0: recompute only.
-    swap_space: float = 0.0
-    # Rates of the swap-or-recompute cost model; None: measured at start-up.
-    swap_prefill_tokens_per_s: float | None = None
-    swap_host_link_bytes_per_s: float | None = None
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    block_size: int = arg(16, "tokens per KV cache block (a power of two)")
+    gpu_memory_utilization: float = arg(0.9, "fraction of GPU memory for weights, activations and the KV cache")
+    enable_prefix_caching: bool = arg(True, "reuse the KV cache of shared prompt prefixes")
+    num_gpu_blocks_override: int | None = arg(None, "fix the number of KV blocks instead of profiling memory")
+    cpu_kv_cache_bytes: int = internal(2 << 30, "KV budget on the CPU, where there is no device memory to profile")
+    swap_space: float = arg(0.0, "host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
+    # Rates of the swap-or-recompute cost model.
+    swap_prefill_tokens_per_s: float | None = arg(
+        None, "prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
+    swap_host_link_bytes_per_s: float | None = arg(
+        None, "host-link rate the swap-or-recompute choice assumes (default: measured at start-up)")
+    kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with "
+                                      "the checkpoint's per-layer k_scale/v_scale (else 1.0); int8 with a scale per "
+                                      "token and KV head", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _check_choices(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -91,48 +156,49 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    policy: str = "fcfs"  # "fcfs" | "priority" | "fair" (per-tenant fair share)
-    # Priority policy: a waiting request's priority improves by one every this many seconds.
-    priority_aging_s: float = 30.0
-    # Per-tenant limits (None: unlimited).
-    tenant_max_running: int | None = None
-    tenant_max_tokens_per_minute: int | None = None
-    # Static batching (only to reproduce static-vs-continuous comparisons): admit a new batch of
-    # at most this many requests only once the previous batch has fully finished.
-    static_batch_size: int | None = None
-    # "greedy": admit whenever the prompt's blocks are free. "predictive": admit only when the
-    # prompt plus the expected rest of its output, plus the expected growth of running requests
-    # and a watermark, fit the free blocks, so running requests are rarely preempted.
-    admission: str = "greedy"
-    kv_watermark: float = 0.01  # fraction of all blocks kept free at admission
-    # p99 latency targets of the SLO controller (control/controller.py); either one turns it on.
-    # It moves max_num_seqs and max_num_batched_tokens at run time, never above the values above.
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    # Admission batching: while requests are decoding, admit waiting ones only once
-    # min(admission_batch_size, waiting) seats are free, or a seat has been free this long. A step
-    # that carries a prefill runs without CUDA graphs and costs several decode steps of host
-    # time, so admitting one request per freed seat keeps the GPU waiting; grouping them trades a
-    # bounded delay to the first token for throughput. 1 admits at once.
-    admission_batch_size: int = 1
-    admission_max_delay_ms: float = 250.0
-    # How a victim gives up its KV blocks: "auto" (the swap cost model decides, per victim),
-    # "swap" (whenever the host pool can take it), "recompute". Swap needs a swap space.
-    preemption_mode: str = "auto"
+    max_num_seqs: int = arg(256, "most sequences in one step")
+    max_num_batched_tokens: int = arg(8192, "token budget of one step")
+    policy: str = arg("fcfs", "fcfs; priority (the request's priority, lower first, with aging); or fair "
+                              "(per-tenant fair share; the tenant is the request's 'user')",
+                      name="scheduling_policy", choices=("fcfs", "priority", "fair"))
+    priority_aging_s: float = arg(30.0, "priority policy: a waiting request gains one priority level per this "
+                                        "many seconds")
+    tenant_max_running: int | None = arg(None, "most running requests per tenant (default: no limit)")
+    tenant_max_tokens_per_minute: int | None = arg(None, "scheduled tokens per tenant per minute (default: no limit)")
+    # Admits a new batch only once the previous batch has fully finished.
+    static_batch_size: int | None = arg(
+        None, "static batching, only to compare against continuous batching: fixed batches of at most this many "
+              "requests (None: continuous); on the command line --scheduling static [--static-batch-size N]",
+        cli_default=8)
+    # "predictive" counts the prompt plus the expected rest of its output, plus the expected growth
+    # of running requests and the watermark, against the free blocks.
+    admission: str = arg("greedy", "greedy: admit whenever the prompt's blocks are free; predictive: only when the "
+                                   "expected output also fits, so running requests are rarely preempted",
+                         choices=("greedy", "predictive"))
+    kv_watermark: float = arg(0.01, "fraction of KV blocks kept free at admission")
+    # The SLO controller (control/controller.py) moves max_num_seqs and max_num_batched_tokens at
+    # run time, never above the values above.
+    slo_ttft_ms: float | None = arg(None, "p99 time-to-first-token target; turns on the SLO controller, which tunes "
+                                          "max_num_seqs and max_num_batched_tokens (as upper limits) online")
+    slo_tpot_ms: float | None = arg(None, "p99 time-per-output-token target of the SLO controller")
+    # A step that carries a prefill runs without CUDA graphs and costs several decode steps of
+    # host time, so admitting one request per freed seat keeps the GPU waiting; grouping them
+    # trades a bounded delay to the first token for throughput.
+    admission_batch_size: int = arg(
+        1, "while requests decode, admit waiting ones only once this many seats are free (or one has been free "
+           "admission_max_delay_ms); 1 admits at once. Default: 1 on the command line; LLM(...) and "
+           "bench throughput: 64 on CUDA with graphs, else 1", user_default=None, cli_default=1)
+    admission_max_delay_ms: float = arg(250.0, "longest a free seat waits for its admission group")
+    preemption_mode: str = arg("auto", "how a preempted request gives up its KV blocks: auto (swap or recompute, "
+                                       "whichever the cost model says is cheaper), swap (needs swap_space), recompute",
+                               choices=("auto", "swap", "recompute"))
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if self.policy not in ("fcfs", "priority", "fair"):
-            raise ValueError(f"policy: must be 'fcfs', 'priority' or 'fair', got {self.policy!r}")
-        if self.admission not in ("greedy", "predictive"):
-            raise ValueError(f"admission: must be 'greedy' or 'predictive', got {self.admission!r}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"preemption_mode: must be auto, swap or recompute, got {self.preemption_mode!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark: must be in [0, 1), got {self.kv_watermark}")
         if self.admission_batch_size < 1:
@@ -153,11 +219,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # Ranks the model is sharded over (one process each; rank 0 also runs the scheduler).
-    tensor_parallel_size: int = 1
-    # Longest any collective, or a worker's part of a step, may take before the engine is
-    # declared dead instead of hanging.
-    distributed_timeout_s: float = 60.0
+    # One process per rank; rank 0 also runs the scheduler.
+    tensor_parallel_size: int = arg(1, "shard the model over this many ranks (GPUs, or CPU processes over gloo)",
+                                    aliases=("-tp",))
+    distributed_timeout_s: float = arg(60.0, "tensor parallel: longest a collective or a worker's step may take "
+                                             "before the engine is declared dead instead of hanging")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -171,40 +237,35 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    device: str = "cpu"
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    enforce_eager: bool = False
-    # "full": CUDA graphs for every step, prefill chunks included; "decode": decode-only steps.
-    cuda_graph_mode: str = "full"
-    # How MLA models (DeepSeek-V2/V3) attend in prefill chunks: "expanded" (the chunk's own keys
-    # and values decompressed by kv_b_proj, 3.4x fewer FLOPs per key; cached context stays in the
-    # latent space) or "absorbed" (everything in the latent space, as decodes do).
-    mla_prefill: str = "expanded"
-    # Temperature-only batches on a GPU sampled by one Triton pass over the logits
-    # (kernels/sample.py) instead of several torch passes; False keeps the torch ops.
-    fused_sampler: bool = True
-    # Schedule step N+1 while step N runs on the device (None: on for CUDA devices).
-    async_scheduling: bool | None = None
-    log_stats: bool = False
+    device: str = arg("cpu", "cuda or cpu (default: cuda when available)", user_default=None)
+    attention_backend: str = arg("auto", "attention kernels: torch, triton, or auto (triton on CUDA, else torch)",
+                                 choices=("auto", "torch", "triton"))
+    enforce_eager: bool = arg(False, "no CUDA graphs")
+    cuda_graph_mode: str = arg("full", "full: CUDA graphs for steps with prefill chunks too (Triton backend); "
+                                       "decode: for decode-only steps", choices=("full", "decode"))
+    # "expanded" is 3.4x fewer FLOPs per key than "absorbed" on DeepSeek-V2-Lite.
+    mla_prefill: str = arg("expanded", "MLA models, prefill chunks: attend over their new tokens' keys and values "
+                                       "decompressed by kv_b_proj (expanded; 3.4x fewer FLOPs) or in the latent space "
+                                       "(absorbed); cached context is attended in the latent space either way",
+                           choices=("absorbed", "expanded"))
+    # kernels/sample.py; off keeps the torch ops.
+    fused_sampler: bool = arg(True, "sample temperature-only batches with one Triton pass over the logits (GPU)")
+    async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "
+                                              "(default: on for CUDA with one rank; tensor parallelism takes it "
+                                              "when asked)")
+    log_stats: bool = internal(False, "not read by the engine; the server logs stats by DEEPBATCH_LOG_STATS_INTERVAL")
     parallel: ParallelConfig = ParallelConfig()
-    # Testing only: the sampler raises for the request (or parent request) with this id, to show
-    # that a fault inside one request's sampling ends that request alone. None in production.
-    fault_inject_sample_request: str | None = None
+    # Shows that a fault inside one request's sampling ends that request alone.
+    fault_inject_sample_request: str | None = internal(
+        None, "testing only: the sampler raises for the request (or parent request) with this id",
+        env="DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST")
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend: must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.cuda_graph_mode not in ("full", "decode"):
-            raise ValueError(f"cuda_graph_mode: must be full or decode, got {self.cuda_graph_mode!r}")
-        if self.mla_prefill not in ("absorbed", "expanded"):
-            raise ValueError(f"mla_prefill: must be absorbed or expanded, got {self.mla_prefill!r}")
+        _check_choices(self)
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
         if self.parallel.tensor_parallel_size > 1:
-            # Workers learn each step's input ids from rank 0's message, so a token still on
-            # rank 0's device (async scheduling) or KV blocks on the host (swap) cannot reach them.
-            if self.async_scheduling:
-                raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
+            # Each rank would need its own host pool and the swap copies in the step message.
             if self.cache.swap_space > 0:
                 raise ValueError("swap_space: not supported with tensor_parallel_size > 1 (preemption recomputes)")
 

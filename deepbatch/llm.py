@@ -7,14 +7,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from deepbatch import envs
-from deepbatch.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, default_device,
-                              resolve_dtype)
+from deepbatch.config import EngineConfig
+from deepbatch.engine_args import engine_config, llm_docstring
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.sampling_params import SamplingParams
@@ -46,39 +46,32 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         random_weights: bool = False,
         scheduling_policy: str = "fcfs",
+        priority_aging_s: float = 30.0,
+        tenant_max_running: int | None = None,
+        tenant_max_tokens_per_minute: int | None = None,
+        static_batch_size: int | None = None,
         admission: str = "greedy",
+        kv_watermark: float = 0.01,
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
         admission_batch_size: int | None = None,
         admission_max_delay_ms: float = 250.0,
         swap_space: float = 0.0,
+        swap_prefill_tokens_per_s: float | None = None,
+        swap_host_link_bytes_per_s: float | None = None,
         preemption_mode: str = "auto",
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
     ):
-        device = device or default_device()
-        if admission_batch_size is None:
-            # Offline runs are for throughput: on a GPU with CUDA graphs, group admissions so
-            # fewer steps run eagerly (see SchedulerConfig.admission_batch_size).
-            admission_batch_size = 64 if device.startswith("cuda") and not enforce_eager else 1
-        config = EngineConfig(
-            model=ModelConfig(model, resolve_dtype(dtype, device), max_model_len, seed, random_weights, tokenizer,
-                              envs.DEEPBATCH_CACHE_DIR, quantization=quantization),
-            cache=CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching, num_gpu_blocks_override,
-                              swap_space=swap_space, kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, scheduling_policy, admission=admission,
-                                      admission_batch_size=admission_batch_size,
-                                      admission_max_delay_ms=admission_max_delay_ms, preemption_mode=preemption_mode,
-                                      slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms),
-            device=device,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            cuda_graph_mode=cuda_graph_mode,
-            mla_prefill=mla_prefill,
-            fused_sampler=fused_sampler,
-            async_scheduling=async_scheduling,
-            parallel=ParallelConfig(tensor_parallel_size, distributed_timeout_s),
-        )
+        """Load the model and start the engine.
+
+        The keywords are written out for IDEs and ``help(LLM)``; they are the engine arguments
+        of deepbatch/config.py, and tests/test_engine_args.py holds this list to them (names and
+        defaults). Each is described below."""
+        # Every local here is a parameter: the builder gets them all, so none can be dropped.
+        kwargs = dict(locals())
+        del kwargs["self"]
+        config = engine_config(**kwargs)
         torch.manual_seed(seed)
         self.engine = LLMEngine(config)
 
@@ -151,3 +144,7 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+
+if LLM.__init__.__doc__ is not None:  # None under python -OO
+    LLM.__init__.__doc__ = inspect.cleandoc(LLM.__init__.__doc__) + "\n" + llm_docstring()

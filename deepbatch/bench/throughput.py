@@ -31,40 +31,20 @@ from deepbatch.layers.quantization import get_quantization_config
 from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.bench.memory_report import KVSampler, format_memory
 from deepbatch.bench.workloads import KV_SIZED, WORKLOADS, make_workload
+from deepbatch.engine_args import add_engine_args, engine_kwargs_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, required=True)
-    p.add_argument("--model", default=None, help="model path (HF dir or .gguf); default: the embedded SmolLM2")
-    p.add_argument("--model-config", default=None, help="a config.json to build with random weights")
-    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--model-config", default=None,
+                   help="a config.json to build with random weights (takes the place of --model)")
     p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
     p.add_argument("--peers", default="", help="comma list of hf-static, hf-continuous")
     p.add_argument("--peer-requests", type=int, default=None, help="run the peers on the first N requests only")
     p.add_argument("--peer-batch-size", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-enable-prefix-caching", action="store_true")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="fix the number of KV blocks")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
-                   help="KV cache storage (auto: the model dtype)")
-    p.add_argument("--quantization", choices=["fp8", "awq", "gptq", "compressed-tensors"], default=None,
-                   help="weight format (fp8: quantize the 16-bit weights per channel; a --model-config with a "
-                        "quantization_config builds its random weights in that format)")
-    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for preemption by swap")
-    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
-    p.add_argument("--admission", choices=["greedy", "predictive"], default="greedy")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--cuda-graph-mode", choices=["full", "decode"], default="full")
-    p.add_argument("--mla-prefill", choices=["absorbed", "expanded"], default="expanded")
-    p.add_argument("--fused-sampler", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--admission-batch-size", type=int, default=None, help="default: 64 on CUDA with graphs, else 1")
-    p.add_argument("--admission-max-delay-ms", type=float, default=250.0)
-    p.add_argument("--attention-backend", default="auto")
+    # The engine's own flags, as `deepbatch serve` has them, but admission_batch_size keeps
+    # LLM(...)'s default: an offline run is for throughput.
+    add_engine_args(p, positional_model=False, cli_defaults={"admission_batch_size": None})
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile", action="store_true", help="print where the host's time goes (cProfile)")
 
@@ -82,24 +62,16 @@ def run(args: argparse.Namespace) -> dict:
     from deepbatch import LLM, SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from deepbatch.config import default_device
-
-    device = args.device or default_device()
     model = args.model_config or args.model
-    # Long enough for the workload's longest request (its lengths do not depend on the vocabulary;
-    # the KV-sized workloads use short requests).
-    longest = 0 if args.workload in KV_SIZED else make_workload(args.workload, 32000, args.num_requests).max_len
-    llm = LLM(model, dtype=args.dtype, device=device, random_weights=args.random_weights or bool(args.model_config),
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_enable_prefix_caching,
-              enforce_eager=args.enforce_eager, cuda_graph_mode=args.cuda_graph_mode, mla_prefill=args.mla_prefill,
-              fused_sampler=args.fused_sampler,
-              attention_backend=args.attention_backend, max_model_len=max(4096, longest),
-              async_scheduling=args.async_scheduling, admission_batch_size=args.admission_batch_size,
-              admission_max_delay_ms=args.admission_max_delay_ms,
-              num_gpu_blocks_override=args.num_gpu_blocks_override, admission=args.admission,
-              swap_space=args.swap_space, preemption_mode=args.preemption_mode, kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization)
+    kwargs = engine_kwargs_from_args(args)
+    kwargs.update(model=model, random_weights=args.random_weights or bool(args.model_config))
+    if kwargs["max_model_len"] is None:
+        # Long enough for the workload's longest request (its lengths do not depend on the
+        # vocabulary; the KV-sized workloads use short requests).
+        longest = 0 if args.workload in KV_SIZED else make_workload(args.workload, 32000, args.num_requests).max_len
+        kwargs["max_model_len"] = max(4096, longest)
+    llm = LLM(**kwargs)
+    device = llm.engine.config.device
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)

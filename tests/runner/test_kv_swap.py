@@ -109,7 +109,6 @@ def test_a_swap_space_over_the_cgroup_limit_is_refused(tiny_checkpoints, tmp_pat
 @pytest.mark.parametrize("kwargs, message", [
     (dict(scheduler=SchedulerConfig(preemption_mode="swap")), "preemption_mode: 'swap' needs a swap space"),
     (dict(cache=CacheConfig(swap_space=1.0), parallel=ParallelConfig(tensor_parallel_size=2)), "swap_space: not supported"),
-    (dict(async_scheduling=True, parallel=ParallelConfig(tensor_parallel_size=2)), "async_scheduling: not supported"),
 ])
 def test_contradictory_settings_are_refused(kwargs, message):
     base = dict(model=ModelConfig("m", torch.float32, 256), cache=CacheConfig(), scheduler=SchedulerConfig())
