@@ -23,7 +23,6 @@ from deepbatch.api.protocol_tools import (
 
 # Fields of the OpenAI API or of vLLM that this server knows and does not implement.
 _COMMON_UNSUPPORTED = {
-    "prompt_logprobs": "the engine computes no prompt logprobs",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
     "truncate_prompt_tokens": "prompts are never truncated; send a shorter one",
@@ -86,6 +85,8 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int32 = 0
+    # Per prompt token: its logprob and the top-k (vLLM's field; not with stream).
+    prompt_logprobs: Int32 | None = None
     # Structured outputs: at most one of these (structured.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -258,12 +259,26 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: ``rank`` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id (a string in JSON):
+# PromptLogprob} holding the prompt token and the top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's field, with the request's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -322,6 +337,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's field, with the request's prompt_logprobs
 
 
 class DeltaFunctionCall(BaseModel):

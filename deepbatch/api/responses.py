@@ -19,7 +19,7 @@ from typing import Any
 from deepbatch.api.errors import APIError, error_body
 from deepbatch.api.protocol import (
     ChatChoiceLogProbs, ChatLogProbsContent, ChatStreamChoice, ChatTokenLogProb, CompletionChoice, CompletionLogProbs,
-    DeltaMessage, PromptTokensDetails, SamplingRequest, UsageInfo,
+    DeltaMessage, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo,
 )
 from deepbatch.core.outputs import CompletionOutput, RequestOutput
 from deepbatch.engine.request_stream import RequestStream
@@ -91,6 +91,14 @@ class ResponseFormatter:
             lp.text_offset.append(text_offset)
             text_offset += len(text)
         return lp
+
+    def prompt_logprobs(self, out: RequestOutput) -> PromptLogprobs | None:
+        """``out.prompt_logprobs`` in vLLM's JSON shape, each token's text in ``decoded_token``."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if position is None else {
+            str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self.token_text(t))
+            for t, lp in position.items()} for position in out.prompt_logprobs]
 
     def chat_logprobs(self, token_ids, logprobs, top_n: int) -> ChatChoiceLogProbs:
         content = []

@@ -177,6 +177,7 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                 logit_bias=bias,
@@ -222,6 +223,7 @@ class OpenAIServing:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported", "echo")
+        _check_prompt_logprobs(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         constraint = single(request_constraints(req))
         params = self.constrained(params, constraint)
@@ -238,11 +240,13 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(outs):
             prefix = self.formatter.prompt_text(out) if req.echo else ""
+            prompt_lp = self.formatter.prompt_logprobs(out)  # each choice of a prompt repeats it, as vLLM's do
             for c in out.outputs:
                 lp = (self.formatter.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
                       if c.logprobs is not None else None)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=prompt_lp))
         resp = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=responses.usage(outs))
         return JSONResponse(resp.model_dump())
 
@@ -252,6 +256,7 @@ class OpenAIServing:
         self.check_priority(req, raw)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        _check_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         # Name the field the client sent in errors about the engine's equivalent.
         alias = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -292,7 +297,8 @@ class OpenAIServing:
                 if c.logprobs is not None else None,
                 finish_reason=reason, stop_reason=c.stop_reason))
         resp = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=responses.usage(outs))
+                                      usage=responses.usage(outs),
+                                      prompt_logprobs=self.formatter.prompt_logprobs(outs[0]))
         return JSONResponse(resp.model_dump())
 
     def _start_after(self, prompt_ids: list[int]) -> tuple[int, ...]:
@@ -369,6 +375,12 @@ class OpenAIServing:
         for s in streams:
             if not s.finished:
                 self.engine.abort(s.request_id)
+
+
+def _check_prompt_logprobs(req: SamplingRequest) -> None:
+    # vLLM refuses them in streams too: they would all come before the first token anyway.
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`", "prompt_logprobs")
 
 
 def _failure(e: Exception, engine: AsyncEngine) -> APIError:

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's logprob at one position, as vLLM gives prompt logprobs: ``rank`` is its place
+    in the distribution (1 = most likely). ``decoded_token`` is left None by the engine (the
+    server fills in the text it sends)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -45,3 +56,8 @@ class RequestOutput:
     error_code: str | None = None  # see Request.error_code
     metrics: RequestMetrics | None = None
     tenant: str = "default"
+    # With ``SamplingParams.prompt_logprobs`` (vLLM's shape): one entry per prompt token, None
+    # for the first (nothing precedes it), then ``{token_id: Logprob}`` holding the prompt
+    # token itself and the top ``prompt_logprobs`` alternatives (k or k + 1 entries). Entries
+    # appear as the prompt's chunks run; the list is complete once the first token is out.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

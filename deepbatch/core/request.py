@@ -20,6 +20,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepbatch.core.outputs import Logprob
 from deepbatch.core.sampling_params import SamplingParams
 
 # Stands for a sampled token whose id is still on the device (async scheduling).
@@ -78,6 +79,11 @@ class Request:
     num_pending_tokens: int = 0  # 0 or 1: the last token is PENDING_TOKEN
     # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).
     logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # With ``prompt_logprobs``, RequestOutput's list as far as the prompt has run: None for the
+    # first prompt token, then ``{token_id: Logprob}`` per prompt token (``record_prompt_logprobs``).
+    # The samples of one prompt (n > 1) share it, so only the first (``index`` 0) computes it;
+    # the others may take prefix-cache hits. None when not asked, and on those others.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     # Detokenized output and the incremental decoder's state (owned by the engine's detokenizer).
     output_text: str = ""
@@ -96,6 +102,12 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+        # Positions below this have a prompt token next, whose logprob the runner computes from
+        # the position's logits: every prompt position but the last, or none (0). A plain
+        # attribute, read for each prefill chunk (a tensor-parallel worker's mirror has it too).
+        self.prompt_logprobs_end = self.num_prompt_tokens - 1 if self.prompt_logprobs is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +137,25 @@ class Request:
     def num_known_tokens(self) -> int:
         """Tokens whose ids are on the host (all but a pending one)."""
         return len(self.all_token_ids) - self.num_pending_tokens
+
+    def record_prompt_logprobs(self, start: int, entries: list[tuple[float, int, dict[int, float]]]) -> None:
+        """Take a prefill chunk's prompt logprobs (``SamplerOutput.prompt_logprobs``): entry ``j``
+        is position ``start + j``'s ``(logprob of the next prompt token, its rank, {token_id:
+        logprob} of the top alternatives)``. Positions already recorded are skipped: a chunk run
+        again after preemption by recompute reports them a second time."""
+        recorded = self.prompt_logprobs
+        skip = len(recorded) - 1 - start  # the list holds positions [0, len - 1)
+        if skip < 0:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {start} after only "
+                               f"{len(recorded) - 1} positions")
+        prompt = self.prompt_token_ids
+        for j in range(skip, len(entries)):
+            logprob, rank, top = entries[j]
+            # The prompt token first (as vLLM lists it), then the alternatives, ranked by order.
+            position = {prompt[start + j + 1]: Logprob(logprob, rank)}
+            for i, (t, v) in enumerate(top.items()):
+                position.setdefault(t, Logprob(v, i + 1))
+            recorded.append(position)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from deepbatch.core.errors import InvalidRequestError
 
 
+# The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
+# JSON grammars allow at most this many whitespace characters between two tokens of the JSON: a
+# model may otherwise fill the free whitespace until max_tokens. 16 takes JSON pretty-printed
+# with an indent of 2 seven levels deep, with an indent of 4 three (a newline and 12 spaces).
+DEFAULT_MAX_WHITESPACE_CNT = 16
+
+
 class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range; ``param`` names it."""
 
@@ -24,6 +34,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # kept as a tuple, so the params stay hashable
     grammar: str | None = None  # EBNF as xgrammar reads it
     disable_any_whitespace: bool = False
+    # JSON kinds: the most whitespace characters between two tokens of the JSON (xgrammar's
+    # max_whitespace_cnt); None allows any run, as vLLM does.
+    max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE_CNT
     # The grammar applies only once the output holds this token sequence (a reasoning parser's
     # end-of-thinking token, e.g. the id of "</think>"); before it sampling is unconstrained.
     start_after_token_ids: tuple[int, ...] = ()
@@ -60,6 +73,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.disable_any_whitespace, bool):
             bad(f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}")
+        cnt = self.max_whitespace_cnt
+        if cnt is not None and (not isinstance(cnt, int) or isinstance(cnt, bool) or cnt < 1):
+            bad(f"max_whitespace_cnt must be None or an integer >= 1, got {cnt!r}")
         ids = self.start_after_token_ids
         if ids is None or isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             bad("start_after_token_ids must be a sequence of token ids")
@@ -92,6 +108,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # For every prompt token after the first: its logprob given the tokens before it, and the
+    # top ``prompt_logprobs`` alternatives (vLLM's meaning; the first token has none).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -141,8 +160,10 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64
         ):
             bad("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 bad("stop", "stop strings must be non-empty strings")

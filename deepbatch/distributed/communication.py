@@ -47,3 +47,13 @@ def gather_to_first(process_group, rank: int, world_size: int, x: torch.Tensor, 
         return torch.cat(parts, dim=dim)
     process_group.gather([], [x], opts).wait(timeout)
     return None
+
+
+def broadcast_from_first(process_group, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
+    """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype on all), in place."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timeout
+    process_group.broadcast([x], opts).wait(timeout)
+    return x

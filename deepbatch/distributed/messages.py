@@ -12,13 +12,24 @@ a ``StepMessage`` holding the difference since the last one::
 
 ``StepMessageBuilder`` (rank 0) and ``RequestMirror`` (workers) are the two ends; a mirror fed
 every message in order builds exactly the ForwardBatch rank 0 builds. Sampling stays on rank 0:
-workers need a sampled token only as the next step's input id, which the next message carries.
+workers need a sampled token only as an input id. Synchronously, the next message carries it.
+Under async scheduling the next step is built before the token reaches rank 0's host: the message
+then marks it pending (``num_pending_tokens``), the mirror holds ``PENDING_TOKEN`` in its place,
+and each rank's runner reads the id on the device from the previous step's sampled ids, which
+rank 0 broadcasts after sampling (every step: it costs one small collective, and the engine may
+switch between synchronous and async steps). Only committed ids are ever sent, so the
+message after the commit carries the real id and the mirror replaces its placeholder::
+
+    rank 0 tokens:   [ ... t5 | P ]        message N+1: new_token_ids=[t5], num_pending_tokens=1
+    mirror:          [ ... t5 | P ]        P read from step N's broadcast sampled ids
+    after commit:    [ ... t5 | t6 | P ]   message N+2: new_token_ids=[t6], num_pending_tokens=1
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepbatch.core.request import PENDING_TOKEN
 from deepbatch.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
@@ -27,9 +38,11 @@ class ScheduledRequestData:
     req_id: str
     num_computed_tokens: int  # tokens already in the cache, where this step's chunk starts
     num_new_tokens: int
-    new_token_ids: list[int]  # token ids the workers have not seen (appended to the mirror)
+    new_token_ids: list[int]  # committed token ids the workers have not seen (appended to the mirror)
     num_kept_blocks: int  # the mirror's block ids past this many are stale (0 after preemption)
     new_block_ids: list[int]  # appended after truncating to num_kept_blocks
+    num_pending_tokens: int = 0  # 1: a sampled token follows whose id is still on the device
+    prompt_logprobs_end: int = 0  # Request.prompt_logprobs_end: the rows whose logits every rank computes
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +61,7 @@ class StepMessageBuilder:
     """Rank 0's record of what the workers know of each request."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[int, int]] = {}  # req id -> (token ids sent, block ids sent)
+        self._known: dict[str, tuple[int, int]] = {}  # req id -> (committed token ids sent, block ids sent)
         self._finished: list[str] = []
         self._step = 0
 
@@ -66,11 +79,12 @@ class StepMessageBuilder:
         for s in out.scheduled:
             r = s.request
             num_tokens, num_blocks = known.get(r.request_id, (0, 0))
+            num_known = r.num_known_tokens
             scheduled.append(ScheduledRequestData(
-                r.request_id, r.num_computed_tokens, s.num_new_tokens, r.all_token_ids[num_tokens:],
-                num_blocks, r.block_ids[num_blocks:],
+                r.request_id, r.num_computed_tokens, s.num_new_tokens, r.all_token_ids[num_tokens:num_known],
+                num_blocks, r.block_ids[num_blocks:], r.num_tokens - num_known, r.prompt_logprobs_end,
             ))
-            known[r.request_id] = (r.num_tokens, len(r.block_ids))
+            known[r.request_id] = (num_known, len(r.block_ids))
         self._step += 1
         finished, self._finished = self._finished, []
         return StepMessage(self._step, scheduled, finished)
@@ -79,13 +93,14 @@ class StepMessageBuilder:
 class _MirroredRequest:
     """The fields of a Request that ``ModelRunner.build_batch`` reads."""
 
-    __slots__ = ("request_id", "all_token_ids", "block_ids", "num_computed_tokens")
+    __slots__ = ("request_id", "all_token_ids", "block_ids", "num_computed_tokens", "prompt_logprobs_end")
 
     def __init__(self, req_id: str):
         self.request_id = req_id
         self.all_token_ids: list[int] = []
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.prompt_logprobs_end = 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,11 +129,15 @@ class RequestMirror:
             r = self._requests.get(d.req_id)
             if r is None:
                 r = self._requests[d.req_id] = _MirroredRequest(d.req_id)
+            if r.all_token_ids and r.all_token_ids[-1] == PENDING_TOKEN:
+                r.all_token_ids.pop()  # committed since: it is among the new ids
             r.all_token_ids.extend(d.new_token_ids)
+            r.all_token_ids.extend([PENDING_TOKEN] * d.num_pending_tokens)
             if d.num_kept_blocks > len(r.block_ids):
                 raise RuntimeError(f"request {d.req_id!r}: keeps {d.num_kept_blocks} blocks of {len(r.block_ids)}")
             del r.block_ids[d.num_kept_blocks:]
             r.block_ids.extend(d.new_block_ids)
             r.num_computed_tokens = d.num_computed_tokens
+            r.prompt_logprobs_end = d.prompt_logprobs_end
             scheduled.append(ScheduledRequest(r, d.num_new_tokens))  # type: ignore[arg-type]
         return SchedulerOutput(scheduled)

@@ -62,6 +62,12 @@ class TensorParallelGroup:
             return x
         return communication.gather_to_first(self.process_group, self.rank, self.world_size, x, dim, self.timeout)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` becomes rank 0's (in place)."""
+        if self.is_single:
+            return x
+        return communication.broadcast_from_first(self.process_group, x, self.timeout)
+
 
 SINGLE = TensorParallelGroup()
 _current = SINGLE

@@ -322,6 +322,7 @@ class LLMEngine:
         sampled = pending.resolve()
         now = time.monotonic()
         first, done = len(result.first_token), len(result.done)
+        self.outputs.record_prompt_logprobs(sampled.prompt_logprobs)
         self.outputs.process([s.request for s in out.scheduled if s.samples], sampled.token_ids, sampled.logprobs,
                              sampled.errors, now, result)
         if self.controller is not None:

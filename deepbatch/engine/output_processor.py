@@ -6,7 +6,8 @@ For each token a step sampled, in this order::
     stop ids, length    EOS (unless ignore_eos), stop_token_ids (after min_tokens), max_tokens
     detokenize          the text so far; a stop string truncates it and stops the request
     grammar             structured output advances its matcher; a completed grammar stops it
-    logprobs            the sampled token's and the top ones, if asked
+    logprobs            the sampled token's and the top ones, if asked; prompt logprobs as
+                        each prefill chunk runs
 
 A request that ends here is removed from the scheduler (its blocks freed at once) and its
 per-request state released. Outputs are built per parent request (``n`` samples share one).
@@ -126,6 +127,14 @@ class OutputProcessor:
             self.on_finished(r)
             result.done.append(r)
 
+    def record_prompt_logprobs(self, prompt_logprobs) -> None:
+        """A step's prompt logprobs (``SamplerOutput.prompt_logprobs``), from chunks that need
+        not sample, onto their requests; a request that ended meanwhile drops them."""
+        for request_id, (start, entries) in (prompt_logprobs or {}).items():
+            r = self.scheduler.requests.get(request_id)
+            if r is not None and r.prompt_logprobs is not None:
+                r.record_prompt_logprobs(start, entries)
+
     def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
         status = check_stop(r, token, self.max_model_len)
         try:
@@ -201,6 +210,7 @@ def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
         num_cached_tokens=max(first.num_cached_tokens, 0),
         error=failed[0].error if failed else None,
         error_code=failed[0].error_code if failed else None,
+        prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                max((r.finished_time or 0.0) for r in children) or None,
                                sum(r.num_preemptions for r in children)),

@@ -4,12 +4,13 @@ each step on all ranks. ``LLMEngine`` uses it where it would use a ``ModelRunner
     rank 0 (engine process)                         rank r >= 1 (worker process)
     -----------------------                         ----------------------------
     schedule() -> SchedulerOutput
-    execute(out):
+    launch(out):
       msg = builder.build(out)   -- queue ------>   msg = inbox.get()
       forward(out)                <== all-reduce ==>  forward(mirror.apply(msg))
       logits (vocab shards)       <== gather =====    logits shard
       sample on rank 0
-    update(out, sampled)
+      sampled ids                 == broadcast ==>    sampled ids (a pending input's source)
+    commit the sampled tokens
 
 Messages travel on one ``multiprocessing`` queue per worker: ``put`` never blocks (a feeder thread
 writes the pipe), so a stalled worker cannot stall rank 0 outside a collective, and every
@@ -41,7 +42,7 @@ from deepbatch.runner.worker import WorkerArgs
 from deepbatch.core.errors import EngineDeadError
 from deepbatch.models.loader import ModelSource, build_model
 from deepbatch.runner.model_runner import ModelRunner
-from deepbatch.sampling.sampler import ReadySample, SamplerOutput
+from deepbatch.sampling.sampler import PendingSample
 from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -148,24 +149,22 @@ class TensorParallelExecutor:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run the step on every rank; the sampled tokens (rank 0's) come back. Raises
-        ``EngineDeadError`` once any rank has failed."""
+    def launch(self, out: SchedulerOutput) -> PendingSample | None:
+        """Queue the step on every rank; rank 0's sampled tokens come back pending, as from a
+        ``ModelRunner``. Raises ``EngineDeadError`` once any rank has failed."""
         self.check_health()
         msg = self._builder.build(out)
 
-        def step() -> SamplerOutput:
+        def step() -> PendingSample | None:
             for inbox in self._workers.inboxes:
                 inbox.put(msg)
-            return self.runner.execute(out)
+            pending = self.runner.launch(out)
+            if any(s.samples for s in out.scheduled):  # the workers' test too (runner/worker.py)
+                # Every rank reads a pending input token from these (async scheduling).
+                self.group.broadcast_from_first(pending.token_ids.long())
+            return pending
 
         return self._guard(step)
-
-    def launch(self, out: SchedulerOutput) -> ReadySample | None:
-        """``execute`` behind the engine's launch interface: tensor-parallel steps run
-        synchronously (the engine keeps async scheduling off), so the tokens come back ready."""
-        sampled = self.execute(out)
-        return ReadySample(sampled) if sampled.token_ids else None
 
     def _guard(self, fn):
         try:

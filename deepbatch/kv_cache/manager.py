@@ -172,11 +172,17 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Leading full blocks of the request already in the prefix cache, and how many tokens
-        they hold. The last token is never a hit: its logits must be computed."""
+        they hold. The last token is never a hit: its logits must be computed. Nor is a prompt
+        position whose prompt logprob the request still needs (none is recorded before its
+        first run; all of them after it, for a rerun after preemption): a hit has no logits.
+        The request's own blocks are still published for others."""
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.prompt_logprobs is not None:
+            # Positions [0, len - 1) are recorded; a hit must end at or before the first that is not.
+            max_blocks = min(max_blocks, (len(request.prompt_logprobs) - 1) // self.block_size)
         hits: list[int] = []
         parent = _ROOT_HASH
         bs = self.block_size

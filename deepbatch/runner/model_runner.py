@@ -28,6 +28,7 @@ from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.request import PENDING_TOKEN, Request
 from deepbatch.runner.kv_swap import HostKVCache
+from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
 from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
 from deepbatch.core.scheduler_output import SchedulerOutput
 
@@ -255,9 +256,14 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------------
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        return self._build_batch(out)[0]
+
+    def _build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
+        """The step's ForwardBatch, and the rows whose logits give prompt logprobs (usually none)."""
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens, logits_idx = [], [], [], [0], [], []
         pending_rows, pending_src = [], []
+        prompt_rows: list[PromptLogprobRows] = []
         max_blocks = 1
         for s in out.scheduled:
             r = s.request
@@ -270,12 +276,18 @@ class ModelRunner:
                 ids.append((token,))
                 positions.append((start,))
                 slots.append((r.block_ids[start // bs] * bs + start % bs,))
+                # A one-token chunk short of the newest token (a decode always reaches it) may
+                # be a prompt position.
+                if not s.samples and (rows := prompt_logprob_rows(r, start, end, qsl[-1])):
+                    prompt_rows.append(rows)
             else:
                 pos = np.arange(start, end)
                 table = np.asarray(r.block_ids, dtype=np.int64)
                 ids.append(r.all_token_ids[start:end])
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
+                if rows := prompt_logprob_rows(r, start, end, qsl[-1]):
+                    prompt_rows.append(rows)
             qsl.append(qsl[-1] + s.num_new_tokens)
             seq_lens.append(end)
             if s.samples:
@@ -311,35 +323,64 @@ class ModelRunner:
             logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
-        )
+        ), prompt_rows
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run the step and wait for it; returns one sampled token per request whose chunk
-        reached its end, in the order of ``out.scheduled``."""
+        reached its end, in the order of ``out.scheduled``, and the chunks' prompt logprobs."""
         pending = self.launch(out)
         return pending.resolve() if pending is not None else SamplerOutput([])
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
         """Queue the step on the device and return without waiting (None when no request
-        samples). Inputs may be pending tokens of the previous launch."""
+        samples and none computes prompt logprobs). Inputs may be pending tokens of the previous
+        launch."""
         # Before the forward, which may rewrite blocks freed by this step's swap-outs; stream
         # order puts the copies after the previous launch's writes.
         self.swap_blocks(out)
-        batch = self.build_batch(out)
+        batch, prompt_rows = self._build_batch(out)
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch)
         sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
+        if prompt_rows:
+            return self._sample_with_prompt_logprobs(hidden, batch, sampling, prompt_rows)
         if not sampling:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel worker: its logits went to rank 0, which samples
             return None
+        return self._sample(logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> PendingSample:
         pending = self.sampler.sample(logits, sampling, self._last_sampled, self._last_rows)
         self._last_sampled = pending.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
+        return pending
+
+    def adopt_sampled(self, token_ids: torch.Tensor, sampled: list[Request]) -> None:
+        """A tensor-parallel worker takes rank 0's sampled ids of the step it just launched
+        (row ``i`` is ``sampled[i]``'s): the next step reads a pending input token there."""
+        self._last_sampled = token_ids
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}
+
+    def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
+                                     prompt_rows: list[PromptLogprobRows]) -> PendingSample | None:
+        """A step that also computes prompt logprobs. Every tensor-parallel rank runs it, making
+        the same ``compute_logits`` calls: the sampled rows' first, then the prompt rows'."""
+        pending = None
+        if sampling:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if logits is not None:
+                pending = self._sample(logits, sampling)
+        prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows, self.sampler.vocab_size)
+        if prompt is None:  # a tensor-parallel worker
+            return None
+        if pending is None:  # no request samples: only prompt logprobs come back
+            pending = PendingSample.empty(self.device)
+        pending.attach_prompt_logprobs(prompt)
         return pending
 
     # -- lifecycle (what a tensor-parallel executor adds to; trivial in one process) ---------

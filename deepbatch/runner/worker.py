@@ -3,7 +3,7 @@ the KV cache, running the same forward as rank 0 on the batch each ``StepMessage
 
 Start-up runs in lockstep with rank 0 (``TensorParallelExecutor``), collective for collective:
 join the group, build the model shard, profile the KV cache, agree on the smallest block count.
-Then the loop: wait for a message, mirror it, run the forward. The worker exits 0 on
+Then the loop: wait for a message, mirror it, run the forward, take rank 0's sampled ids. The worker exits 0 on
 ``ShutdownMessage`` or when rank 0's process is gone, and 1 on any error (which rank 0 sees as a
 failed collective or through its watchdog).
 """
@@ -109,7 +109,13 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
             raise TypeError(f"unexpected message {type(msg).__name__}")
         if msg.step == fault[0]:
             _inject_fault(args.rank, fault[1])
-        runner.execute(mirror.apply(msg))
+        out = mirror.apply(msg)
+        runner.launch(out)
+        sampled = [s.request for s in out.scheduled if s.samples]
+        if sampled:
+            # Rank 0's sampled ids: where a pending input token of the next step is read.
+            token_ids = torch.empty(len(sampled), dtype=torch.long, device=runner.device)
+            runner.adopt_sampled(group.broadcast_from_first(token_ids), sampled)
 
 
 def _next_message(inbox, parent):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,16 +33,33 @@ from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.sampling.seeded_noise import seeded_exponential
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
 
+if TYPE_CHECKING:
+    from deepbatch.sampling.prompt_logprobs import PendingPromptLogprobs
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class SamplerOutput:
+    """One step's results on the host; row ``i`` is the ``i``-th scheduled request that samples.
+
+    ``prompt_logprobs`` (None unless a request of the step asked for them and its chunk ran
+    prompt positions) maps a request id to ``(start, entries)``: ``entries[j]`` belongs to
+    prompt position ``start + j`` and is ``(logprob, rank, top)`` of the prompt token at
+    ``start + j + 1`` given those before it (``rank``: 1 + the number of more likely tokens;
+    ``top``: ``{token_id: logprob}`` of the ``prompt_logprobs`` most likely, best first). A chunk
+    covers exactly its positions whose next token is a prompt token, so the chunks of a chunked
+    prefill follow one another; the prompt's last position (whose next token is sampled) has no
+    entry. A prompt run again after preemption by recompute reports its positions again, from
+    ``start`` 0 (``Request.record_prompt_logprobs`` keeps the first).
+    """
+
     token_ids: list[int]
     # Per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None.
     logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     # Row -> why that row's request failed (its token is meaningless); None when none did.
     errors: dict[int, str] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, dict[int, float]]]]] | None = None
 
 
 class PendingSample:
@@ -68,11 +86,25 @@ class PendingSample:
             if self._k_max > 0:
                 vals, ids = logprobs.topk(self._k_max, dim=-1)
                 self._host += [_to_host(vals, pin), _to_host(ids, pin)]
+        self._prompt: PendingPromptLogprobs | None = None
         self._event = None
-        if pin:
+        self._record()
+        self._resolved: SamplerOutput | None = None
+
+    @classmethod
+    def empty(cls, device: torch.device) -> PendingSample:
+        """A step in which no request samples (its chunks still carry prompt logprobs)."""
+        return cls(torch.empty(0, dtype=torch.long, device=device), None, [])
+
+    def attach_prompt_logprobs(self, prompt: PendingPromptLogprobs) -> None:
+        """Queued after the sampling: ``resolve`` then waits for their copies too."""
+        self._prompt = prompt
+        self._record()
+
+    def _record(self) -> None:
+        if self.token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
             self._event.record()
-        self._resolved: SamplerOutput | None = None
 
     def resolve(self) -> SamplerOutput:
         if self._resolved is None:
@@ -95,18 +127,14 @@ class PendingSample:
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():
                     errors.setdefault(i, "the model produced NaN logits for this request")
-            self._resolved = SamplerOutput(token_ids, logprobs, errors or None)
+            prompt = self._prompt.resolve() if self._prompt is not None else None
+            self._resolved = SamplerOutput(token_ids, logprobs, errors or None, prompt)
         return self._resolved
 
 
-class ReadySample:
-    """Sampled tokens that are already on the host (a runner that waits for its step)."""
-
-    def __init__(self, out: SamplerOutput):
-        self._out = out
-
-    def resolve(self) -> SamplerOutput:
-        return self._out
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s copy on the host, queued behind the kernels that make it (pinned on a GPU)."""
+    return _to_host(t, t.device.type == "cuda")
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:

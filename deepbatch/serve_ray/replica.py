@@ -70,7 +70,9 @@ class EngineReplica:
         yield Accepted(self.replica_id)
         try:
             async for out in stream:
-                yield dataclasses.replace(out, prompt=None, prompt_token_ids=[])
+                # Prompt logprobs only with the final output: each output carries the whole list.
+                yield dataclasses.replace(out, prompt=None, prompt_token_ids=[],
+                                          prompt_logprobs=out.prompt_logprobs if out.finished else None)
         finally:  # cancelled by the ingress (client gone, or moved to another arm)
             if not stream.finished:
                 self.engine.abort(call.request_id)

@@ -143,14 +143,16 @@ class GrammarCache:
 
     def _compile(self, spec: StructuredOutputsParams):
         compiler = self._compiler_for_vocab()
-        any_whitespace = not spec.disable_any_whitespace
+        # Whitespace between JSON tokens: none, or runs of at most max_whitespace_cnt characters.
+        whitespace = ({"any_whitespace": False} if spec.disable_any_whitespace
+                      else {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt})
         kind = spec.kind
         try:
             if kind == "json":
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+                return compiler.compile_json_schema(schema, **whitespace)
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+                return compiler.compile_json_schema('{"type": "object"}', **whitespace)
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
@@ -165,9 +167,9 @@ def _cache_key(spec: StructuredOutputsParams) -> tuple:
     kind = spec.kind
     if kind == "json":
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
-        return kind, json.dumps(schema, sort_keys=True), spec.disable_any_whitespace
+        return kind, json.dumps(schema, sort_keys=True), spec.disable_any_whitespace, spec.max_whitespace_cnt
     if kind == "json_object":
-        return kind, spec.disable_any_whitespace
+        return kind, spec.disable_any_whitespace, spec.max_whitespace_cnt
     return kind, getattr(spec, kind)
 
 

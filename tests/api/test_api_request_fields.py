@@ -62,8 +62,6 @@ def test_unknown_keys_of_content_parts_are_400(http):
 
 
 UNSUPPORTED = [
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),

@@ -1,7 +1,8 @@
 """The step protocol on its own: a worker's mirror, fed every StepMessage (pickled, as the queue
 sends it), holds exactly the token ids, block ids and counters that rank 0's scheduler has for
 each scheduled request, through chunked prefill, prefix hits, preemption, aborts and request ids
-reused after they finish. No model, no processes."""
+reused after they finish, synchronously and under async scheduling (a token still on the device
+is a placeholder on both sides). No model, no processes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from deepbatch.core.request import Request, RequestStatus
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.scheduler.scheduler import Scheduler
-from tests.scheduler.commit import commit_step
+from tests.scheduler.commit import commit_step, commit_tokens
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
@@ -37,7 +38,11 @@ def _check_step(out, mirrored) -> None:
         assert mine.samples == real.samples
 
 
-def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abort_every: int) -> dict:
+def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abort_every: int,
+                 pipelined: bool = False) -> dict:
+    """Drive a scheduler as the engine does and check the mirror after every message. With
+    ``pipelined``, as under async scheduling: step N+1 is scheduled and sent before step N's
+    tokens are committed, so messages carry pending tokens."""
     rng = random.Random(seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, priority_aging_s=0),
                       KVCacheManager(num_blocks, 4, enable_caching=True), max_model_len=256)
@@ -48,9 +53,10 @@ def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abo
         for i in range(num_requests)
     ]  # ids repeat: "r0" is reused once an earlier "r0" has finished
     builder, mirror = StepMessageBuilder(), RequestMirror()
-    stats = {"steps": 0, "preemptions": 0}
+    stats = {"steps": 0, "preemptions": 0, "pending": 0}
     live: dict[str, Request] = {}
-    while pending or sched.has_unfinished():
+    inflight = None
+    while pending or sched.has_unfinished() or inflight:
         while pending and pending[0].request_id not in live:
             r = pending.pop(0)
             live[r.request_id] = r
@@ -60,14 +66,26 @@ def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abo
             builder.forget(r.request_id)
             live.pop(r.request_id)
         if out.is_empty:
+            if inflight:  # nothing to launch (only tokens in flight): the engine still commits
+                for r in commit_tokens(sched, *inflight):
+                    builder.forget(r.request_id)
+                    live.pop(r.request_id)
+                inflight = None
             continue
         stats["steps"] += 1
         stats["preemptions"] += len(out.preempted)
         msg = pickle.loads(pickle.dumps(builder.build(out)))
         assert isinstance(msg, StepMessage)
         _check_step(out, mirror.apply(msg))
+        stats["pending"] += sum(d.num_pending_tokens for d in msg.scheduled)
         sampled = {s.request.request_id: rng.randrange(3, 50) for s in out.scheduled if s.samples}
-        for r in commit_step(sched, out, sampled):
+        if pipelined:
+            done = commit_tokens(sched, *inflight) if inflight else []
+            sched.advance(out, pending=True)
+            inflight = (out, sampled)
+        else:
+            done = commit_step(sched, out, sampled)
+        for r in done:
             builder.forget(r.request_id)
             live.pop(r.request_id)
         if abort_every and stats["steps"] % abort_every == 0 and sched.running:
@@ -81,16 +99,18 @@ def run_protocol(seed: int, num_requests: int, num_blocks: int, budget: int, abo
     return stats
 
 
-def test_mirror_follows_preemption_and_reused_ids():
-    stats = run_protocol(seed=0, num_requests=12, num_blocks=12, budget=16, abort_every=7)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_mirror_follows_preemption_and_reused_ids(pipelined):
+    stats = run_protocol(seed=0, num_requests=12, num_blocks=12, budget=16, abort_every=7, pipelined=pipelined)
     assert stats["preemptions"] > 0  # the case that rebuilds block tables was exercised
+    assert (stats["pending"] > 0) == pipelined
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), num_requests=st.integers(1, 12), num_blocks=st.integers(10, 40),
-       budget=st.sampled_from([4, 16, 64]), abort_every=st.sampled_from([0, 3, 5]))
-def test_mirror_matches_scheduler(seed, num_requests, num_blocks, budget, abort_every):
-    run_protocol(seed, num_requests, num_blocks, budget, abort_every)
+       budget=st.sampled_from([4, 16, 64]), abort_every=st.sampled_from([0, 3, 5]), pipelined=st.booleans())
+def test_mirror_matches_scheduler(seed, num_requests, num_blocks, budget, abort_every, pipelined):
+    run_protocol(seed, num_requests, num_blocks, budget, abort_every, pipelined)
 
 
 def test_a_lost_message_is_detected():

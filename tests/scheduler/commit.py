@@ -13,12 +13,22 @@ def commit_step(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int])
     """What the engine does after a synchronous step: counters advance, each sampled token is
     recorded, and a request that meets its stop condition finishes. Returns those requests."""
     sched.advance(out, pending=False)
+    return commit_tokens(sched, out, sampled)
+
+
+def commit_tokens(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    """Record a launched step's sampled tokens: into the pending places that ``advance(out,
+    pending=True)`` made (async scheduling: the next step is already scheduled), else appended.
+    A request that ended meanwhile drops its token. Returns the requests that finish here."""
     finished = []
     for s in out.scheduled:
         r, token = s.request, sampled.get(s.request.request_id)
         if token is None or r.is_finished:
             continue
-        r.append_output_token(token)
+        if r.num_pending_tokens:
+            r.commit_pending_token(token)
+        else:
+            r.append_output_token(token)
         status = check_stop(r, token, sched.max_model_len)
         if status is not None:
             sched.finish_request(r.request_id, status)
