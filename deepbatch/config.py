@@ -253,7 +253,6 @@ class EngineConfig:
     async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "
                                               "(default: on for CUDA with one rank; tensor parallelism takes it "
                                               "when asked)")
-    log_stats: bool = internal(False, "not read by the engine; the server logs stats by DEEPBATCH_LOG_STATS_INTERVAL")
     parallel: ParallelConfig = ParallelConfig()
     # Shows that a fault inside one request's sampling ends that request alone.
     fault_inject_sample_request: str | None = internal(

@@ -68,7 +68,7 @@ CASES = {
     "distributed_timeout_s": (7.0, ("parallel", "distributed_timeout_s")),
 }
 STORED = {"dtype": torch.float16}  # what a value becomes in the config where it is not itself
-INTERNAL = ("cache_dir", "cpu_kv_cache_bytes", "log_stats", "fault_inject_sample_request")
+INTERNAL = ("cache_dir", "cpu_kv_cache_bytes", "fault_inject_sample_request")
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:

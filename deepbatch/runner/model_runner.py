@@ -28,6 +28,7 @@ from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.request import PENDING_TOKEN, Request
 from deepbatch.runner.kv_swap import HostKVCache
+from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
 from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -56,7 +57,8 @@ class ModelRunner:
                 a.prefill_mode = config.mla_prefill
         # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
         self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False,
-                               fault_request_id=config.fault_inject_sample_request)
+                               fault_request_id=config.fault_inject_sample_request,
+                               max_num_seqs=config.scheduler.max_num_seqs)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None
         # The last launched step's sampled ids, still on the device, and each sampling
@@ -133,7 +135,9 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory used by others (other processes, the CUDA context) is outside torch's view.
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.cache.gpu_memory_utilization - peak - max(non_torch, 0)
+        # Penalty state for a full batch of penalised requests (sampling/penalty_state.py).
+        penalties = self.config.scheduler.max_num_seqs * penalty_bytes_per_row(self.sampler.vocab_size)
+        budget = total * self.config.cache.gpu_memory_utilization - peak - max(non_torch, 0) - penalties
         num_blocks = int(budget // per_block)
         if num_blocks < 1:
             raise RuntimeError(
@@ -355,7 +359,7 @@ class ModelRunner:
         return self._sample(logits, sampling)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> PendingSample:
-        pending = self.sampler.sample(logits, sampling, self._last_sampled, self._last_rows)
+        pending = self.sampler.sample(logits, sampling)
         self._last_sampled = pending.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
         return pending
@@ -386,8 +390,9 @@ class ModelRunner:
     # -- lifecycle (what a tensor-parallel executor adds to; trivial in one process) ---------
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was aborted: drop its per-request state (one process keeps
-        none: seeded sampling is stateless)."""
+        """The request finished or was aborted: drop its per-request state (the sampler's
+        penalty slot; seeded sampling is stateless)."""
+        self.sampler.forget(request_id)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the runner can no longer run steps; in one process a

@@ -2,12 +2,13 @@
 
 Order of operations (vLLM's): grammar bitmask (structured outputs; ``structured_output/``) ->
 logit bias -> min_tokens (ban EOS/stop ids; a constrained row's ban is in its bitmask) ->
-penalties -> logprobs (of the processed logits, before temperature, so a constrained row's are
-over the tokens its grammar allows) -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
-sample. Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which
-samples from ``p`` without a host sync; seeded requests take their ``q`` row from a pure
-function of (seed, choice, output position) (``seeded_noise.py``), so their output does not
-depend on what else is in the batch, on preemption or on the device.
+penalties (from per-request counts kept on the device: ``penalty_state.py``) -> logprobs (of the
+processed logits, before temperature, so a constrained row's are over the tokens its grammar
+allows) -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws
+``argmax(p / q)`` with ``q ~ Exp(1)``, which samples from ``p`` without a host sync; seeded
+requests take their ``q`` row from a pure function of (seed, choice, output position)
+(``seeded_noise.py``), so their output does not depend on what else is in the batch, on
+preemption or on the device.
 
 A fault in one request's sampling is that request's: when the batched pass raises, each row is
 sampled alone and the rows that still raise come back as errors in ``SamplerOutput.errors``
@@ -30,6 +31,7 @@ import torch
 from deepbatch.core.request import Request
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
+from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.seeded_noise import seeded_exponential
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
 
@@ -147,7 +149,7 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: str | torch.device, fused: bool | None = None,
-                 fault_request_id: str | None = None):
+                 fault_request_id: str | None = None, max_num_seqs: int = 256):
         """``fused`` picks the one-pass Gumbel-max kernel for the batches it covers: None uses it on
         CUDA when Triton is installed, True wherever Triton runs (the interpreter on the CPU),
         False never. ``fault_request_id`` (testing only) makes sampling raise for that request."""
@@ -160,18 +162,15 @@ class Sampler:
         # ints, so a step never waits on the device for its random state.
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
-        self._previous: tuple[torch.Tensor | None, dict[str, int]] = (None, {})  # see sample()
+        self.penalties = PenaltyState(self.device, reserved_rows=max_num_seqs)
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request], previous: torch.Tensor | None = None,
-               previous_rows: dict[str, int] | None = None) -> PendingSample:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).
         Queues the sampling on the device and returns without waiting for it. Never raises for
         one request's sake: such rows come back as errors (module docstring). Under async
-        scheduling a request's newest token may still be pending: ``previous`` (the last launch's
-        sampled ids, on the device) at ``previous_rows[request_id]`` holds it, and penalties read
-        it there, so they need no synchronous step."""
-        self._previous = (previous, previous_rows or {})
+        scheduling a request's newest token may still be pending: the penalties' counts on the
+        device already hold it (``penalty_state.py``), so they need no synchronous step."""
         params = [r.sampling_params for r in requests]
         # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
         # logits ends that request, whatever token the NaN would have turned into.
@@ -182,10 +181,13 @@ class Sampler:
             sampled, logprobs = self._sample_batch(logits, requests)
             pending = PendingSample(sampled, logprobs, params, None, nan_rows)
             remember_samples(pending, requests)
-            return pending
         except Exception as batch_error:  # noqa: BLE001 - isolated per row below
             logger.warning("sampling a batch of %d failed (%s: %s); sampling its rows one by one",
                            len(requests), type(batch_error).__name__, batch_error)
+        else:
+            # Only once the step's ids are final: a batch that fails is counted row by row below.
+            self.penalties.record(sampled, requests)
+            return pending
         rows, row_logprobs, errors = [], [], {}
         for i, r in enumerate(requests):
             try:
@@ -198,8 +200,10 @@ class Sampler:
         logprobs = None
         if any(p.logprobs is not None for p in params):
             logprobs = torch.cat([lp if lp is not None else torch.zeros_like(logits[:1]) for lp in row_logprobs])
-        pending = PendingSample(torch.cat(rows), logprobs, params, errors, nan_rows)
+        sampled = torch.cat(rows)
+        pending = PendingSample(sampled, logprobs, params, errors, nan_rows)
         remember_samples(pending, requests)
+        self.penalties.record(sampled, requests, skip=errors)
         return pending
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -265,36 +269,12 @@ class Sampler:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
         return logits
 
-    def _output_ids(self, r: Request, dev) -> torch.Tensor:
-        """``r``'s output token ids on the device, a pending newest token read from the previous
-        launch's sampled ids (stream order makes that read wait for them, not the host)."""
-        if not r.num_pending_tokens:
-            return torch.tensor(r.output_token_ids, device=dev, dtype=torch.long)
-        previous, rows = self._previous
-        known = torch.tensor(r.output_token_ids[:-1], device=dev, dtype=torch.long)
-        row = rows[r.request_id]
-        return torch.cat((known, previous[row : row + 1].to(device=dev, dtype=torch.long)))
-
     def _apply_penalties(self, logits, requests):
-        S, V = logits.shape
-        dev = logits.device
-        out_counts = torch.zeros(S, V, device=dev, dtype=torch.float32)
-        seen = torch.zeros(S, V, device=dev, dtype=torch.bool)
-        for i, r in enumerate(requests):
-            if not r.sampling_params.needs_penalties:
-                continue
-            out_ids = self._output_ids(r, dev)
-            if len(out_ids):
-                out_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
-                seen[i, out_ids] = True
-            seen[i, torch.tensor(r.prompt_token_ids, device=dev, dtype=torch.long)] = True
-        rep = torch.tensor([r.sampling_params.repetition_penalty for r in requests], device=dev).unsqueeze(1)
-        freq = torch.tensor([r.sampling_params.frequency_penalty for r in requests], device=dev).unsqueeze(1)
-        pres = torch.tensor([r.sampling_params.presence_penalty for r in requests], device=dev).unsqueeze(1)
-        # Repetition penalty over prompt and output (HF/vLLM): shrink positive logits, grow negative.
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
-        return logits - freq * out_counts - pres * (out_counts > 0).float()
+        return self.penalties.apply(logits, requests)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: free its penalty state."""
+        self.penalties.forget(request_id)
 
     # -- sampling ---------------------------------------------------------------------------
 
