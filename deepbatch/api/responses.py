@@ -5,6 +5,10 @@ Outputs from the engine are cumulative; streaming turns them into per-choice del
 choice with stop strings is running, the last ``len(longest stop) - 1`` characters are held back:
 they may turn out to be the start of a stop string that the final text drops, and a streamed
 character cannot be taken back.
+
+With ``echo`` and ``logprobs`` a completion's logprobs cover the prompt tokens first (from the
+engine's prompt logprobs: null for the first token, as OpenAI's legacy completions give it),
+then the generated ones; a stream sends the prompt part whole, in its first chunk.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import json
 import math
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deepbatch.api.errors import APIError, error_body
@@ -32,6 +36,8 @@ class StreamSpec:
     include_usage: bool
     chat: bool
     echo: bool = False
+    echo_logprobs: int | None = None  # with echo and logprobs: the k of the prompt tokens' alternatives
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     hold: int = 0  # characters held back while running (longest stop string - 1)
     top_logprobs: int = 0
     new_parser: Callable[[], Any] | None = None  # chat: a ChoiceParser per choice (chat_output)
@@ -45,6 +51,7 @@ class ChoiceState:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
+    echo_len: int | None = None  # with echo, once the prompt is sent: its length, where the text_offsets start
     parser: Any = None  # the choice's ChoiceParser, if its text is parsed
 
 
@@ -79,26 +86,47 @@ class ResponseFormatter:
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
     def completion_logprobs(self, token_ids, logprobs, text_offset: int) -> CompletionLogProbs:
+        """``logprobs``: one ``(logprob, {token_id: logprob} of the alternatives)`` per token, or
+        None for a token nothing was scored for (a prompt's first)."""
         lp = CompletionLogProbs()
-        for tok, (logprob, top) in zip(token_ids, logprobs):
+        for tok, entry in zip(token_ids, logprobs):
             text = self.token_text(tok)
             lp.tokens.append(text)
+            lp.text_offset.append(text_offset)
+            text_offset += len(text)
+            if entry is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            logprob, top = entry
             logprob = _finite(logprob)
             lp.token_logprobs.append(logprob)
             alternatives = {self.token_text(t): _finite(v) for t, v in top.items()}
             alternatives.setdefault(text, logprob)  # the sampled token is always listed (OpenAI legacy)
             lp.top_logprobs.append(alternatives)
-            lp.text_offset.append(text_offset)
-            text_offset += len(text)
         return lp
 
-    def prompt_logprobs(self, out: RequestOutput) -> PromptLogprobs | None:
-        """``out.prompt_logprobs`` in vLLM's JSON shape, each token's text in ``decoded_token``."""
+    def echo_logprobs(self, out: RequestOutput, k: int, generated: CompletionLogProbs) -> CompletionLogProbs:
+        """``generated`` (a choice's logprobs, offsets already past the echoed prompt) after the
+        prompt's, whose offsets run from 0 and whose alternatives are the top ``k``."""
+        positions = out.prompt_logprobs or []
+        entries = [None if p is None else (p[tok].logprob, {t: lp.logprob for t, lp in _top(p, tok, k).items()})
+                   for tok, p in zip(out.prompt_token_ids, positions)]
+        head = self.completion_logprobs(out.prompt_token_ids, entries, 0)
+        return CompletionLogProbs(tokens=head.tokens + generated.tokens,
+                                  token_logprobs=head.token_logprobs + generated.token_logprobs,
+                                  top_logprobs=head.top_logprobs + generated.top_logprobs,
+                                  text_offset=head.text_offset + generated.text_offset)
+
+    def prompt_logprobs(self, out: RequestOutput, k: int | None = None) -> PromptLogprobs | None:
+        """``out.prompt_logprobs`` in vLLM's JSON shape, each token's text in ``decoded_token``;
+        with ``k``, only the top ``k`` alternatives (the engine may have scored more for echo)."""
         if out.prompt_logprobs is None:
             return None
         return [None if position is None else {
             str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=self.token_text(t))
-            for t, lp in position.items()} for position in out.prompt_logprobs]
+            for t, lp in (position.items() if k is None else _top(position, tok, k).items())}
+            for tok, position in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
     def chat_logprobs(self, token_ids, logprobs, top_n: int) -> ChatChoiceLogProbs:
         content = []
@@ -116,9 +144,12 @@ class ResponseFormatter:
         when there is nothing to send yet."""
         if st.finished:
             return None
-        prefix = ""
-        if spec.echo and st.text_len == 0 and st.num_tokens == 0:
+        prefix, echoing = "", spec.echo and st.echo_len is None
+        if echoing:
+            if spec.echo_logprobs is not None and not c.finished and not _prompt_scored(out):
+                return None  # the prompt's logprobs go out whole, with the prompt
             prefix = self.prompt_text(out)
+            st.echo_len = len(prefix)
         end = len(c.text) if c.finished else max(st.text_len, len(c.text) - spec.hold)
         text = c.text[st.text_len:end]
         new_tokens = c.token_ids[st.num_tokens:]
@@ -126,7 +157,7 @@ class ResponseFormatter:
         # A chunk per step that produced tokens, even when no text is ready yet (held back for a
         # stop string, an incomplete character, a model without a tokenizer): clients time
         # tokens by chunks, as with vLLM.
-        if not text and not prefix and not c.finished and not new_tokens:
+        if not text and not echoing and not c.finished and not new_tokens:
             return None
         offset = st.text_len
         st.text_len = max(st.text_len, end)
@@ -145,7 +176,10 @@ class ResponseFormatter:
                                     stop_reason=c.stop_reason if c.finished else None)
         lp = None
         if new_logprobs is not None:
-            lp = self.completion_logprobs(new_tokens, new_logprobs, offset + len(prefix))
+            # Offsets index the text streamed so far, the echoed prompt included.
+            lp = self.completion_logprobs(new_tokens, new_logprobs, offset + (st.echo_len or 0))
+            if echoing and spec.echo_logprobs is not None:
+                lp = self.echo_logprobs(out, spec.echo_logprobs, lp)
         return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=reason,
                                 stop_reason=c.stop_reason if c.finished else None)
 
@@ -156,6 +190,25 @@ def usage(outs: list[RequestOutput]) -> UsageInfo:
     cached = sum(o.num_cached_tokens for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def without_generation(out: RequestOutput) -> RequestOutput:
+    """``out`` with its choices' generated tokens dropped: echo with ``max_tokens: 0`` asks for
+    the prompt alone, but the engine always generates at least one token."""
+    outputs = [replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [], stop_reason=None,
+                       finish_reason=c.finish_reason if c.finish_reason in (None, "abort", "error") else "length")
+               for c in out.outputs]
+    return replace(out, outputs=outputs)
+
+
+def _top(position: dict, token: int, k: int) -> dict:
+    """A prompt position's entries (``{token_id: Logprob}``) cut to its prompt ``token`` and the
+    top ``k``."""
+    return {t: lp for t, lp in position.items() if t == token or (lp.rank is not None and lp.rank <= k)}
+
+
+def _prompt_scored(out: RequestOutput) -> bool:
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) >= len(out.prompt_token_ids)
 
 
 def _finite(logprob: float) -> float:

@@ -221,29 +221,39 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported", "echo")
         _check_prompt_logprobs(req)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        # Echo with max_tokens 0 asks for the prompt alone (vLLM's and OpenAI's reading); the
+        # engine generates one token, which the reply drops.
+        prompt_only = req.echo and req.max_tokens == 0
+        params = self.sampling_params(req, 1 if prompt_only else req.max_tokens, req.logprobs)
+        echo_k = req.logprobs if req.echo else None  # the prompt's logprobs lead the choice's
+        if echo_k is not None:
+            params = replace(params, prompt_logprobs=max(echo_k, req.prompt_logprobs or 0))
         constraint = single(request_constraints(req))
         params = self.constrained(params, constraint)
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
         streams = await self._submit(request_id, prompts, params, req, raw, param_alias(constraint))
         if req.stream:
-            spec = StreamSpec(req.n, responses.include_usage(req), chat=False, echo=req.echo,
-                              hold=responses.hold(params))
+            spec = StreamSpec(req.n, responses.include_usage(req), chat=False, echo=req.echo, echo_logprobs=echo_k,
+                              prompt_only=prompt_only, hold=responses.hold(params))
             return self._sse_response(request_id, streams, spec)
         outs = await self._final_outputs(streams, raw)
         if outs is None:
             return Response(status_code=499)
+        if prompt_only:
+            outs = [responses.without_generation(out) for out in outs]
         choices = []
         for i, out in enumerate(outs):
             prefix = self.formatter.prompt_text(out) if req.echo else ""
-            prompt_lp = self.formatter.prompt_logprobs(out)  # each choice of a prompt repeats it, as vLLM's do
+            # Each choice of a prompt repeats it, as vLLM's do; only when asked for by name.
+            prompt_lp = (self.formatter.prompt_logprobs(out, req.prompt_logprobs)
+                         if req.prompt_logprobs is not None else None)
             for c in out.outputs:
                 lp = (self.formatter.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
                       if c.logprobs is not None else None)
+                if lp is not None and echo_k is not None:
+                    lp = self.formatter.echo_logprobs(out, echo_k, lp)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 prompt_logprobs=prompt_lp))
@@ -341,6 +351,8 @@ class OpenAIServing:
                 if out.error:
                     yield responses.sse_error(_request_error(out))
                     break
+                if spec.prompt_only:
+                    out = responses.without_generation(out)
                 if out.finished:
                     finals[i] = out
                 choices = []
@@ -379,6 +391,7 @@ class OpenAIServing:
 
 def _check_prompt_logprobs(req: SamplingRequest) -> None:
     # vLLM refuses them in streams too: they would all come before the first token anyway.
+    # (Echo with logprobs streams: the prompt's logprobs come with the echoed prompt.)
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`", "prompt_logprobs")
 
