@@ -16,11 +16,12 @@ device instead of leaving it idle between steps::
     device:  ..... step N ..........   | step N+1 .....................................
 
 A request's token from step N is *pending* while step N+1 is scheduled: it counts as a token,
-step N+1 reads its id on the device, and ``commit`` fills it in. A request that stops at step N
-(EOS, stop string) was already scheduled in N+1: that one extra token is computed and dropped.
-Penalties and structured outputs keep async scheduling: the sampler reads a row's pending token
-from the step that sampled it, on the device for penalties and before it fills that row's
-grammar bitmask for structured outputs (``structured_output/``).
+step N+1 reads its id on the device, and the output processor fills it in at commit. A request
+that stops at step N (EOS, stop string) was already scheduled in N+1: that one extra token is
+computed and dropped. Penalties and structured outputs keep async scheduling: penalties count
+each step's sampled ids on the device (``sampling/penalty_state.py``), and structured outputs
+read a row's pending token before filling its grammar bitmask (``structured_output/``). Under
+tensor parallelism rank 0 broadcasts the sampled ids, so every rank reads pending tokens alike.
 """
 
 from __future__ import annotations
