@@ -30,7 +30,7 @@ from deepbatch.core.request import PENDING_TOKEN, Request
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
-from deepbatch.sampling.sampler import PendingSample, Sampler, SamplerOutput
+from deepbatch.sampling.sampler import PendingSample, Sampler
 from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -328,13 +328,6 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
         ), prompt_rows
-
-    @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run the step and wait for it; returns one sampled token per request whose chunk
-        reached its end, in the order of ``out.scheduled``, and the chunks' prompt logprobs."""
-        pending = self.launch(out)
-        return pending.resolve() if pending is not None else SamplerOutput([])
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput) -> PendingSample | None:

@@ -84,6 +84,8 @@ class PenaltyState:
         """Count the step's sampled ids (``sampled[i]`` is ``requests[i]``'s), once per step and
         after the step's final ids are known; rows in ``skip`` (failed, so their requests end)
         and requests without a filled slot are left out."""
+        if not self._slots:  # no penalised request alive: nothing to count (the common step)
+            return
         rows, slots = [], []
         for i, r in enumerate(requests):
             entry = self._slots.get(r.request_id)

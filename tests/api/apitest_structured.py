@@ -1,4 +1,5 @@
-"""The server and the JSON schemas the structured-output tests share.
+"""The server, its module-scoped fixtures and the JSON schemas the structured-output, tool and
+logprob tests share (a module imports the fixtures it uses by name).
 
 The schemas cover nested objects, arrays, enums, anyOf, oneOf, required and optional fields, string
 formats and patterns, numbers with bounds, const, type unions and $ref; each keeps its strings,
@@ -13,8 +14,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
-from apitest_server import REPO
+from apitest_server import REPO, get_server
 
 TEMPLATE = REPO / "tests" / "api" / "data" / "tool_chat_template.jinja"
 # Tool flags on (auto tool choice parses Hermes-style calls) and a chat template that renders
@@ -107,3 +109,30 @@ def schema_problem(name: str, text: str) -> str | None:
     except (ValueError, jsonschema.ValidationError) as e:
         return f"{type(e).__name__}: {str(e)[:300]} in {text[:300]!r}"
     return None
+
+
+# -- fixtures over the shared "structured" server --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    return get_server("structured")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokens(http):
+    """The server's own tokenizer (``/tokenize``)."""
+    def encode(text: str) -> list[int]:
+        return http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    return encode

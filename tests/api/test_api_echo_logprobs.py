@@ -14,35 +14,13 @@ import os
 import pytest
 import torch
 
-from apitest_server import MODEL, assert_error, get_server
+from apitest_server import MODEL, assert_error
 from apitest_structured import STRUCTURED_SERVER
+from apitest_structured import server, client, http, tokens  # noqa: F401  (fixtures)
 
 SERVERS = {"structured": STRUCTURED_SERVER}
 K = 2
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
-
-
-@pytest.fixture(scope="module")
-def server():
-    return get_server("structured")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokens(http):
-    def encode(text: str) -> list[int]:
-        return http.post("/tokenize", json={"prompt": text}).json()["tokens"]
-    return encode
 
 
 def scored(client, prompt, k: int) -> list:

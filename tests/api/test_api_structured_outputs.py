@@ -12,23 +12,14 @@ import re
 
 import pytest
 
-from apitest_server import MODEL, assert_error, get_server
+from apitest_server import MODEL, assert_error
 from apitest_streams import collect, collect_async
 from apitest_structured import SCHEMAS, STRUCTURED_SERVER, constraint_fields, schema_problem
+from apitest_structured import server, client  # noqa: F401  (fixtures)
 
 SERVERS = {"structured": STRUCTURED_SERVER}
 # Ample for every schema's JSON; a choice that needs more counts as a failure (finish_reason).
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def server():
-    return get_server("structured")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def _messages(name: str) -> list[dict]:

@@ -15,9 +15,10 @@ import re
 import jsonschema
 import pytest
 
-from apitest_server import MODEL, assert_error, get_server
+from apitest_server import MODEL, assert_error
 from apitest_streams import collect_async
 from apitest_structured import STRUCTURED_SERVER, TEMPLATE_MARK
+from apitest_structured import server, client  # noqa: F401  (fixtures)
 
 SERVERS = {"structured": STRUCTURED_SERVER}
 MAX_TOKENS = 120
@@ -53,16 +54,6 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"type": "o
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 MANY_ASK = [{"role": "user", "content": "Add 1 and 2, then add 3 and 4, then add 5 and 6."}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    return get_server("structured")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def check_call(name: str, arguments: str) -> None:
