@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto",
                     help="time an 8-bit cache (fp8 e4m3 with a per-layer scale, int8 with per-token scales)")
     ap.add_argument("--only-default", action="store_true", help="time the wrapper's own choice only")
+    ap.add_argument("--tile-n", default="32,64,128", help="key tile lengths to try (8-bit tiles fit 256)")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
@@ -74,7 +77,8 @@ def main():
     us = device_time_us(lambda: pa.paged_attention(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, 1, max_len,
                                                    out, **scales), 50)
     rows.append({"setting": "wrapper default", "us": us, "TB/s": kv_bytes / us / 1e6})
-    settings = [] if args.only_default else itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    settings = [] if args.only_default else itertools.product(ints(args.tile_n), ints(args.warps), ints(args.stages))
     for tile_n, warps, stages in settings:
         def run():
             pa._launch(q, k_cache, v_cache, block_tables, qsl, seq_lens, scale, out, block_m=small_m, min_q_len=0,

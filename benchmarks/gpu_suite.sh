@@ -5,13 +5,20 @@
 #   benchmarks/gpu_suite.sh                 # the default stages
 #   benchmarks/gpu_suite.sh parity nano-x4  # just these
 #
+# To compare with an earlier commit in the same call (the machine's speed drifts between calls),
+# run the same stages from a second tree, alternating:
+#   git archive C deepbatch benchmarks | tar -x -C .base
+#   for s in nano-x4 mla-moe-plain; do (cd .base && OUT=$OUT/base bash benchmarks/gpu_suite.sh $s); \
+#     OUT=$OUT/new benchmarks/gpu_suite.sh $s; done
+#
 # Stage time limits can be set through T_<STAGE> (upper case, dashes as underscores).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 M=${MODELS:-benchmarks/models}
-TP="python3 -m deepbatch.bench.throughput --random-weights"
+# BENCH_ARGS: more flags for every throughput stage (e.g. --max-num-seqs 512).
+TP="python3 -m deepbatch.bench.throughput --random-weights ${BENCH_ARGS:-}"
 # Memory under pressure: the KV pool capped at 4096 blocks (65,536 tokens), requests adding up to 2x.
 KV2X="$TP --workload kv-2x --model-config $M/qwen3-0.6b.json --num-gpu-blocks-override ${KV_BLOCKS:-4096}"
 
@@ -50,6 +57,10 @@ run_stage() {
     timeline-nano-x4) stage timeline-nano-x4 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano-x4 --timeline --output-json "$OUT/timeline-nano-x4.json" ;;
     nano-x4) stage nano-x4 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" --output-json "$OUT/nano-x4.json" ;;
+    # Every request penalised: async scheduling must hold (the penalty state lives on the device).
+    nano-x4-penalties) stage $1 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
+      --sampling '{"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}' \
+      --output-json "$OUT/$1.json" ;;
     nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --fused-sampler --output-json "$OUT/nano-x4-fused-sampler.json" ;;
     attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;

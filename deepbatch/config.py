@@ -110,6 +110,11 @@ class ModelConfig:
         None, "weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; a quantized "
               "checkpoint's format is read from its config.json (naming it here only checks it)",
         choices=QUANTIZATION_METHODS)
+    # Fixed when the model is built. "expanded" is 3.4x fewer FLOPs per key than "absorbed" on DeepSeek-V2-Lite.
+    mla_prefill: str = arg("expanded", "MLA models, prefill chunks: attend over their new tokens' keys and values "
+                                       "decompressed by kv_b_proj (expanded; 3.4x fewer FLOPs) or in the latent space "
+                                       "(absorbed); cached context is attended in the latent space either way",
+                           choices=("absorbed", "expanded"))
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -243,11 +248,6 @@ class EngineConfig:
     enforce_eager: bool = arg(False, "no CUDA graphs")
     cuda_graph_mode: str = arg("full", "full: CUDA graphs for steps with prefill chunks too (Triton backend); "
                                        "decode: for decode-only steps", choices=("full", "decode"))
-    # "expanded" is 3.4x fewer FLOPs per key than "absorbed" on DeepSeek-V2-Lite.
-    mla_prefill: str = arg("expanded", "MLA models, prefill chunks: attend over their new tokens' keys and values "
-                                       "decompressed by kv_b_proj (expanded; 3.4x fewer FLOPs) or in the latent space "
-                                       "(absorbed); cached context is attended in the latent space either way",
-                           choices=("absorbed", "expanded"))
     # kernels/sample.py; off keeps the torch ops.
     fused_sampler: bool = arg(True, "sample temperature-only batches with one Triton pass over the logits (GPU)")
     async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "

@@ -61,7 +61,7 @@ CASES = {
     "attention_backend": ("torch", ("attention_backend",)),
     "enforce_eager": (True, ("enforce_eager",)),
     "cuda_graph_mode": ("decode", ("cuda_graph_mode",)),
-    "mla_prefill": ("absorbed", ("mla_prefill",)),
+    "mla_prefill": ("absorbed", ("model", "mla_prefill")),
     "fused_sampler": (False, ("fused_sampler",)),
     "async_scheduling": (False, ("async_scheduling",)),
     "tensor_parallel_size": (2, ("parallel", "tensor_parallel_size")),

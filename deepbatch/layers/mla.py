@@ -18,7 +18,7 @@ That is attention with per-head query and key width R + P and value width R: in 
 latent is read once for all heads, which is what bounds it. Prefill chunks are bound by FLOPs
 instead, where the absorbed form costs ``(2R + P) / (Dn + P + Dv)`` times the expanded one
 (576 + 512 against 192 + 128 multiply-adds per key and head for DeepSeek-V2-Lite, 3.4x). ``prefill_mode``
-(``EngineConfig.mla_prefill``) picks the form of requests with more than one new token:
+(``ModelConfig.mla_prefill``, fixed at construction) picks the form of requests with more than one new token:
 
 * ``"absorbed"``: every row of every step takes the absorbed path.
 * ``"expanded"`` (the default): a chunk's attention is split at its first new token::
@@ -114,8 +114,11 @@ def mla_softmax_scale(config) -> float:
 class MultiHeadLatentAttention(nn.Module):
     """The whole MLA block, projections included; the runner binds its one latent cache."""
 
-    def __init__(self, config):
+    def __init__(self, config, prefill_mode: str = "expanded"):
         super().__init__()
+        if prefill_mode not in ("absorbed", "expanded"):
+            raise ValueError(f"prefill_mode: absorbed or expanded, got {prefill_mode!r}")
+        self.prefill_mode = prefill_mode  # module docstring
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         self.num_heads = current_tp_group().split(num_heads, "num_attention_heads")  # this rank's heads
@@ -141,7 +144,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.latent_cache: torch.Tensor | None = None  # [num_blocks, block_size, 1, R + P]
         self.latent_scale: torch.Tensor | None = None  # 8-bit caches: [num_blocks, block_size, 2] float32
         self.backend: AttentionBackend = AttentionBackend()
-        self.prefill_mode = "absorbed"  # or "expanded" (module docstring); set by the runner
 
     def cache_specs(self, cache_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """``(per-token shape, dtype)`` of each paged tensor for a latent stored as

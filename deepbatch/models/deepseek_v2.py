@@ -36,10 +36,10 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\
 
 
 class DeepseekDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, layer_idx: int, router_kwargs: dict):
+    def __init__(self, config, layer_idx: int, router_kwargs: dict, mla_prefill: str):
         super().__init__()
         hidden = config.hidden_size
-        self.self_attn = MultiHeadLatentAttention(config)
+        self.self_attn = MultiHeadLatentAttention(config, prefill_mode=mla_prefill)
         # As in transformers: every layer from first_k_dense_replace on is MoE (moe_layer_freq is 1
         # in every released checkpoint and transformers ignores it).
         if layer_idx >= config.first_k_dense_replace:
@@ -63,8 +63,8 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
     copies, ``embed_tokens`` and ``shared_head.head``, are not loaded again). Kept for a
     speculative decoder; normal decoding does not run it, and it has no KV cache of its own."""
 
-    def __init__(self, config, layer_idx: int, router_kwargs: dict):
-        super().__init__(config, layer_idx, router_kwargs)
+    def __init__(self, config, layer_idx: int, router_kwargs: dict, mla_prefill: str):
+        super().__init__(config, layer_idx, router_kwargs, mla_prefill)
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps)
@@ -75,15 +75,15 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 
 
 class DeepseekModel(DecoderStack):
-    def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool):
+    def __init__(self, config, max_position: int, router_kwargs: dict, rope_interleave: bool, mla_prefill: str):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, router_kwargs) for i in range(config.num_hidden_layers)
+            DeepseekDecoderLayer(config, i, router_kwargs, mla_prefill) for i in range(config.num_hidden_layers)
         )
         num_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
         self.mtp_layers = nn.ModuleList(
-            DeepseekMTPLayer(config, config.num_hidden_layers + i, router_kwargs) for i in range(num_mtp)
+            DeepseekMTPLayer(config, config.num_hidden_layers + i, router_kwargs, mla_prefill) for i in range(num_mtp)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MLARotaryEmbedding(config, config.qk_rope_head_dim, max_position, rope_interleave)
@@ -96,10 +96,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         ("up_proj", "gate_up_proj", 1),
     ]
 
-    def __init__(self, config, max_position: int):
+    # Options of ModelConfig that build_model passes to this class's constructor.
+    construction_options = ("mla_prefill",)
+
+    def __init__(self, config, max_position: int, mla_prefill: str = "expanded"):
         super().__init__()
         self.config = config
-        self.model = DeepseekModel(config, max_position, self.router_kwargs(config), self.rope_interleave(config))
+        self.model = DeepseekModel(config, max_position, self.router_kwargs(config), self.rope_interleave(config),
+                                   mla_prefill)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

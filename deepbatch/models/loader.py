@@ -171,7 +171,8 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device), quantization_scope(quant):
-            model = cls(hf_config, max_position=max_model_len)
+            options = {name: getattr(config, name) for name in getattr(cls, "construction_options", ())}
+            model = cls(hf_config, max_position=max_model_len, **options)
             if quant is not None:
                 for name, module in model.named_modules():
                     if hasattr(module, "set_quant_method") and quant.is_ignored(name):

@@ -52,9 +52,6 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
-        for a in self.attn_layers:
-            if isinstance(a, MultiHeadLatentAttention):
-                a.prefill_mode = config.mla_prefill
         # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
         self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False,
                                fault_request_id=config.fault_inject_sample_request,

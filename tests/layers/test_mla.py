@@ -139,7 +139,7 @@ ORDERS = {
 def _layer(arch: str):
     config = tiny_deepseek_config(arch)
     torch.manual_seed(0)
-    layer = MultiHeadLatentAttention(config)
+    layer = MultiHeadLatentAttention(config, prefill_mode="absorbed")
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.fill_(1.0) if "layernorm" in name else p.normal_(0.0, 0.15)
@@ -242,9 +242,10 @@ def test_expanded_decode_only_step_stays_absorbed(monkeypatch):
 
 
 def test_bad_mla_prefill_raises():
-    model = ModelConfig(None, torch.float32, None)
     with pytest.raises(ValueError, match="mla_prefill"):
-        EngineConfig(model, CacheConfig(), SchedulerConfig(), mla_prefill="decompressed")
+        ModelConfig(None, torch.float32, None, mla_prefill="decompressed")
+    with pytest.raises(ValueError, match="prefill_mode"):
+        MultiHeadLatentAttention(tiny_deepseek_config("v2"), prefill_mode="latent")
     with pytest.raises(ValueError, match="mla_prefill"):
         LLM("unused", device="cpu", mla_prefill="latent")
 
