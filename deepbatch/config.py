@@ -133,7 +133,8 @@ class CacheConfig:
     enable_prefix_caching: bool = arg(True, "reuse the KV cache of shared prompt prefixes")
     num_gpu_blocks_override: int | None = arg(None, "fix the number of KV blocks instead of profiling memory")
     cpu_kv_cache_bytes: int = internal(2 << 30, "KV budget on the CPU, where there is no device memory to profile")
-    swap_space: float = arg(0.0, "host memory (GiB) for preempting by swapping KV blocks out; 0: recompute only")
+    swap_space: float = arg(0.0, "host memory (GiB) for preempting by swapping KV blocks out, per rank under "
+                                   "tensor parallelism; 0: recompute only")
     # Rates of the swap-or-recompute cost model.
     swap_prefill_tokens_per_s: float | None = arg(
         None, "prefill rate the swap-or-recompute choice assumes (default: measured at start-up)")
@@ -263,10 +264,6 @@ class EngineConfig:
         _check_choices(self)
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
-        if self.parallel.tensor_parallel_size > 1:
-            # Each rank would need its own host pool and the swap copies in the step message.
-            if self.cache.swap_space > 0:
-                raise ValueError("swap_space: not supported with tensor_parallel_size > 1 (preemption recomputes)")
 
 
 def default_device() -> str:

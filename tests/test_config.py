@@ -43,7 +43,7 @@ CHOICES = {
     (SchedulerConfig, "preemption_mode"): ("preemption_mode", ("auto", "swap", "recompute")),
     (EngineConfig, "attention_backend"): ("attention_backend", ("auto", "torch", "triton")),
     (EngineConfig, "cuda_graph_mode"): ("cuda_graph_mode", ("full", "decode")),
-    (EngineConfig, "mla_prefill"): ("mla_prefill", ("absorbed", "expanded")),
+    (ModelConfig, "mla_prefill"): ("mla_prefill", ("absorbed", "expanded")),
 }
 BUILD = {ModelConfig: model, CacheConfig: CacheConfig, SchedulerConfig: SchedulerConfig, EngineConfig: engine}
 

@@ -193,7 +193,7 @@ def test_unknown_keyword_is_a_type_error_naming_it():
     ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype: must be one of"),
     ({"dtype": "int8"}, "dtype: unknown dtype"),
     ({"preemption_mode": "swap"}, "needs a swap space"),
-    ({"tensor_parallel_size": 2, "swap_space": 1.0}, "swap_space: not supported"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be >= 1"),
 ])
 def test_bad_values_are_the_configs_value_errors(kwargs, message, captured):
     with pytest.raises(ValueError, match=message):

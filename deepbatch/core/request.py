@@ -10,8 +10,10 @@ A request is "prefilling" while ``num_computed_tokens < num_prompt_tokens`` and 
 only the newest sampled token is left to run (``num_tokens - num_computed_tokens == 1``).
 
 With async scheduling the newest token may still be on the device when the next step is
-scheduled: it then stands in ``all_token_ids`` as ``PENDING_TOKEN`` (``num_pending_tokens == 1``)
-until the engine commits the sampled id. Only the last token can be pending.
+scheduled: it is then counted (``num_pending_tokens == 1``, in ``num_tokens`` and
+``num_output_tokens``) but not yet in the id lists, which hold known ids only; the runner feeds it
+to the next step from its device token pool (``runner/persistent_batch.py``) and the engine appends
+the id when it commits the step. Only the newest token can be pending.
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ from dataclasses import dataclass, field
 
 from deepbatch.core.outputs import Logprob
 from deepbatch.core.sampling_params import SamplingParams
-
-# Stands for a sampled token whose id is still on the device (async scheduling).
-PENDING_TOKEN = -1
-
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -76,7 +74,7 @@ class Request:
     # "invalid_grammar" for a grammar the model's vocabulary cannot complete (the request's input: 400).
     error_code: str | None = None
     num_preemptions: int = 0
-    num_pending_tokens: int = 0  # 0 or 1: the last token is PENDING_TOKEN
+    num_pending_tokens: int = 0  # 0 or 1: a sampled token counted but not yet in the id lists
     # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     # With ``prompt_logprobs``, RequestOutput's list as far as the prompt has run: None for the
@@ -115,11 +113,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -136,7 +134,7 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids are on the host (all but a pending one)."""
-        return len(self.all_token_ids) - self.num_pending_tokens
+        return len(self.all_token_ids)
 
     def record_prompt_logprobs(self, start: int, entries: list[tuple[float, int, dict[int, float]]]) -> None:
         """Take a prefill chunk's prompt logprobs (``SamplerOutput.prompt_logprobs``): entry ``j``
@@ -163,11 +161,9 @@ class Request:
 
     def append_pending_token(self) -> None:
         assert self.num_pending_tokens == 0, "only the newest token can be pending"
-        self.append_output_token(PENDING_TOKEN)
         self.num_pending_tokens = 1
 
     def commit_pending_token(self, token_id: int) -> None:
         assert self.num_pending_tokens == 1
-        self.output_token_ids[-1] = token_id
-        self.all_token_ids[-1] = token_id
         self.num_pending_tokens = 0
+        self.append_output_token(token_id)

@@ -9,27 +9,28 @@ a ``StepMessage`` holding the difference since the last one::
                               (one per decode), blocks allocated since (one per block_size tokens)
     after preemption:         num_kept_blocks = 0, then the request's new block ids
     finished / aborted:       its id in finished_req_ids (the mirror is dropped)
+    swap copies:              the step's (device block, host slot) pairs, which every rank
+                              copies for its own heads before the forward (a step may be only that)
 
 ``StepMessageBuilder`` (rank 0) and ``RequestMirror`` (workers) are the two ends; a mirror fed
 every message in order builds exactly the ForwardBatch rank 0 builds. Sampling stays on rank 0:
 workers need a sampled token only as an input id. Synchronously, the next message carries it.
 Under async scheduling the next step is built before the token reaches rank 0's host: the message
-then marks it pending (``num_pending_tokens``), the mirror holds ``PENDING_TOKEN`` in its place,
-and each rank's runner reads the id on the device from the previous step's sampled ids, which
-rank 0 broadcasts after sampling (every step: it costs one small collective, and the engine may
-switch between synchronous and async steps). Only committed ids are ever sent, so the
-message after the commit carries the real id and the mirror replaces its placeholder::
+then counts it pending (``num_pending_tokens``), as rank 0's Request does, and each rank's runner
+reads its id on the device from its token pool (``runner/persistent_batch.py``), which takes the
+sampled ids rank 0 broadcasts after sampling (every step: it costs one small collective, and the
+engine may switch between synchronous and async steps). Only committed ids are ever sent, so the
+message after the commit carries the real id::
 
-    rank 0 tokens:   [ ... t5 | P ]        message N+1: new_token_ids=[t5], num_pending_tokens=1
-    mirror:          [ ... t5 | P ]        P read from step N's broadcast sampled ids
-    after commit:    [ ... t5 | t6 | P ]   message N+2: new_token_ids=[t6], num_pending_tokens=1
+    rank 0 tokens:   [ ... t5 ] + 1 pending   message N+1: new_token_ids=[t5], num_pending_tokens=1
+    mirror:          [ ... t5 ] + 1 pending   the pending input read from the token pool
+    after commit:    [ ... t5 t6 ] + 1        message N+2: new_token_ids=[t6], num_pending_tokens=1
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepbatch.core.request import PENDING_TOKEN
 from deepbatch.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
@@ -50,6 +51,21 @@ class StepMessage:
     step: int  # 1-based; lets a worker check it missed nothing
     scheduled: list[ScheduledRequestData]
     finished_req_ids: list[str]  # applied before ``scheduled`` (an id may be reused afterwards)
+    blocks_to_swap_out: list[tuple[int, int]] = ()
+    blocks_to_swap_in: list[tuple[int, int]] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerCallMessage:
+    """Run ``ModelRunner.<method>(*args)`` on every worker, as rank 0 runs it on its own runner:
+    start-up work outside the step loop whose collectives must meet rank 0's."""
+
+    method: str  # one of RUNNER_CALLS
+    args: tuple = ()
+
+
+# What rank 0 may ask of a worker's runner between steps.
+RUNNER_CALLS = frozenset({"init_swap_space", "measure_prefill_tokens_per_s"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,24 +103,26 @@ class StepMessageBuilder:
             known[r.request_id] = (num_known, len(r.block_ids))
         self._step += 1
         finished, self._finished = self._finished, []
-        return StepMessage(self._step, scheduled, finished)
+        return StepMessage(self._step, scheduled, finished, list(out.blocks_to_swap_out), list(out.blocks_to_swap_in))
 
 
 class _MirroredRequest:
     """The fields of a Request that ``ModelRunner.build_batch`` reads."""
 
-    __slots__ = ("request_id", "all_token_ids", "block_ids", "num_computed_tokens", "prompt_logprobs_end")
+    __slots__ = ("request_id", "all_token_ids", "num_pending_tokens", "block_ids", "num_computed_tokens",
+                 "prompt_logprobs_end")
 
     def __init__(self, req_id: str):
         self.request_id = req_id
-        self.all_token_ids: list[int] = []
+        self.all_token_ids: list[int] = []  # committed ids, as rank 0's Request holds them
+        self.num_pending_tokens = 0
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
         self.prompt_logprobs_end = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending_tokens
 
 
 class RequestMirror:
@@ -129,10 +147,8 @@ class RequestMirror:
             r = self._requests.get(d.req_id)
             if r is None:
                 r = self._requests[d.req_id] = _MirroredRequest(d.req_id)
-            if r.all_token_ids and r.all_token_ids[-1] == PENDING_TOKEN:
-                r.all_token_ids.pop()  # committed since: it is among the new ids
-            r.all_token_ids.extend(d.new_token_ids)
-            r.all_token_ids.extend([PENDING_TOKEN] * d.num_pending_tokens)
+            r.all_token_ids.extend(d.new_token_ids)  # a token pending before is among them once committed
+            r.num_pending_tokens = d.num_pending_tokens
             if d.num_kept_blocks > len(r.block_ids):
                 raise RuntimeError(f"request {d.req_id!r}: keeps {d.num_kept_blocks} blocks of {len(r.block_ids)}")
             del r.block_ids[d.num_kept_blocks:]
@@ -140,4 +156,5 @@ class RequestMirror:
             r.num_computed_tokens = d.num_computed_tokens
             r.prompt_logprobs_end = d.prompt_logprobs_end
             scheduled.append(ScheduledRequest(r, d.num_new_tokens))  # type: ignore[arg-type]
-        return SchedulerOutput(scheduled)
+        return SchedulerOutput(scheduled, blocks_to_swap_out=list(msg.blocks_to_swap_out),
+                               blocks_to_swap_in=list(msg.blocks_to_swap_in))

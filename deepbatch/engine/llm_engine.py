@@ -114,7 +114,7 @@ class LLMEngine:
         if cache.swap_space <= 0:
             return None
         swap_bytes = int(cache.swap_space * 2**30)
-        check_swap_space(swap_bytes)
+        check_swap_space(swap_bytes * self.config.parallel.tensor_parallel_size)  # a pool per rank
         per_block = self.runner.kv_bytes_per_block()
         n = num_host_blocks(swap_bytes, per_block)
         if n < 1:

@@ -150,7 +150,7 @@ class OutputProcessor:
             r.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
         if status is None and r.structured_output is not None:
-            error = r.structured_output.advance(r.output_token_ids)
+            error = r.structured_output.advance(r.output_token_ids, r.num_pending_tokens)
             if error is not None:
                 self.fail(r, error, r.structured_output.error_code)
                 return None
@@ -195,7 +195,7 @@ class OutputProcessor:
 def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
     first = children[0]
     completions = [
-        CompletionOutput(r.index, r.output_text, r.output_token_ids[: r.num_output_tokens - r.num_pending_tokens],
+        CompletionOutput(r.index, r.output_text, r.output_token_ids[:],
                          r.finish_reason, r.stop_reason,
                          list(r.logprobs) if r.logprobs is not None else None)
         for r in children

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from deepbatch.config import EngineConfig
 from deepbatch.executor.launch import WorkerGroup, check_not_importing_main
-from deepbatch.distributed.messages import StepMessageBuilder
+from deepbatch.distributed.messages import RunnerCallMessage, StepMessageBuilder
 from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
                                                   loaded_key)
 from deepbatch.runner.worker import WorkerArgs
@@ -139,6 +139,32 @@ class TensorParallelExecutor:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
+
+    def measure_prefill_tokens_per_s(self, num_tokens: int) -> float:
+        """Rank 0's figure of a forward every rank runs (the swap cost model's prefill rate)."""
+        return self._call_all("measure_prefill_tokens_per_s", num_tokens)
+
+    def init_swap_space(self, num_blocks: int) -> None:
+        """A host pool of ``num_blocks`` on every rank, each for its own heads' share of a block."""
+        self._call_all("init_swap_space", num_blocks)
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """A step that only swaps blocks out: every rank copies its share."""
+        def step() -> None:
+            msg = self._builder.build(out)
+            for inbox in self._workers.inboxes:
+                inbox.put(msg)
+            self.runner.swap_blocks(out)
+
+        self._guard(step)
+
+    def _call_all(self, method: str, *args):
+        def call():
+            for inbox in self._workers.inboxes:
+                inbox.put(RunnerCallMessage(method, args))
+            return getattr(self.runner, method)(*args)
+
+        return self._guard(call)
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs would capture collectives; tensor-parallel steps run eagerly."""

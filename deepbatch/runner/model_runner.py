@@ -26,8 +26,9 @@ from deepbatch.layers.attention import make_backend
 from deepbatch.layers.mla import MultiHeadLatentAttention
 from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.core.forward_batch import ForwardBatch
-from deepbatch.core.request import PENDING_TOKEN, Request
+from deepbatch.core.request import Request
 from deepbatch.runner.kv_swap import HostKVCache
+from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
 from deepbatch.sampling.sampler import PendingSample, Sampler
@@ -58,10 +59,8 @@ class ModelRunner:
                                max_num_seqs=config.scheduler.max_num_seqs)
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None
-        # The last launched step's sampled ids, still on the device, and each sampling
-        # request's row in them: a pending input token is read from there.
-        self._last_sampled: torch.Tensor | None = None
-        self._last_rows: dict[str, int] = {}
+        # Each request's row, and the device token pool a pending input token is read from.
+        self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.device)
         self.host_kv: HostKVCache | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
@@ -164,7 +163,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.model.compute_logits(hidden[batch.logits_indices])
         del scratch, hidden
-        self._bind([])
+        self._bind(self.kv_caches)  # none before init_kv_cache; a tensor-parallel worker has its own
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._check_kv_scales()
@@ -270,11 +269,12 @@ class ModelRunner:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
-                token = r.all_token_ids[start]
-                if token == PENDING_TOKEN:  # sampled by the step still in flight
+                if start < len(r.all_token_ids):
+                    ids.append((r.all_token_ids[start],))
+                else:  # sampled by the step still in flight: its id is in the token pool
+                    ids.append((0,))
                     pending_rows.append(qsl[-1])
-                    pending_src.append(self._last_rows[r.request_id])
-                ids.append((token,))
+                    pending_src.append(self.batch.row(r.request_id))
                 positions.append((start,))
                 slots.append((r.block_ids[start // bs] * bs + start % bs,))
                 # A one-token chunk short of the newest token (a decode always reaches it) may
@@ -282,6 +282,9 @@ class ModelRunner:
                 if not s.samples and (rows := prompt_logprob_rows(r, start, end, qsl[-1])):
                     prompt_rows.append(rows)
             else:
+                if end > len(r.all_token_ids):  # only a decode's one token can be pending
+                    raise RuntimeError(f"request {r.request_id}: a chunk of {s.num_new_tokens} tokens ends at a "
+                                       "pending token")
                 pos = np.arange(start, end)
                 table = np.asarray(r.block_ids, dtype=np.int64)
                 ids.append(r.all_token_ids[start:end])
@@ -313,7 +316,7 @@ class ModelRunner:
             # Stream order makes this read the previous step's sampled ids once they exist.
             rows = t(np.asarray(pending_rows + pending_src, dtype=np.int64), torch.long)
             n = len(pending_rows)
-            input_ids[rows[:n]] = self._last_sampled[rows[n:]]
+            self.batch.read_pending(input_ids, rows[:n], rows[n:])
         return ForwardBatch(
             input_ids=input_ids,
             positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
@@ -350,15 +353,17 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> PendingSample:
         pending = self.sampler.sample(logits, sampling)
-        self._last_sampled = pending.token_ids
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampling)}
+        self.adopt_sampled(pending.token_ids, sampling)
         return pending
 
     def adopt_sampled(self, token_ids: torch.Tensor, sampled: list[Request]) -> None:
-        """A tensor-parallel worker takes rank 0's sampled ids of the step it just launched
-        (row ``i`` is ``sampled[i]``'s): the next step reads a pending input token there."""
-        self._last_sampled = token_ids
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampled)}
+        """The step's sampled ids (``token_ids[i]`` is ``sampled[i]``'s) into the token pool, where
+        the next step reads a pending input token; a tensor-parallel worker gets rank 0's."""
+        rows = np.fromiter((self.batch.row(r.request_id) for r in sampled), dtype=np.int64, count=len(sampled))
+        host = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.batch.record_sampled(host.to(self.device, non_blocking=True), token_ids)
 
     def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
                                      prompt_rows: list[PromptLogprobRows]) -> PendingSample | None:
@@ -380,9 +385,10 @@ class ModelRunner:
     # -- lifecycle (what a tensor-parallel executor adds to; trivial in one process) ---------
 
     def forget(self, request_id: str) -> None:
-        """The request finished or was aborted: drop its per-request state (the sampler's
-        penalty slot; seeded sampling is stateless)."""
+        """The request finished or was aborted: drop its per-request state (its row, the
+        sampler's penalty slot; seeded sampling is stateless)."""
         self.sampler.forget(request_id)
+        self.batch.release(request_id)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the runner can no longer run steps; in one process a

@@ -24,7 +24,7 @@ import torch
 
 from deepbatch import envs
 from deepbatch.config import EngineConfig
-from deepbatch.distributed.messages import RequestMirror, ShutdownMessage, StepMessage
+from deepbatch.distributed.messages import RUNNER_CALLS, RequestMirror, RunnerCallMessage, ShutdownMessage, StepMessage
 import torch.distributed as dist
 
 from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
@@ -105,11 +105,19 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
         msg = _next_message(inbox, parent)
         if msg is None or isinstance(msg, ShutdownMessage):
             return
+        if isinstance(msg, RunnerCallMessage) and msg.method in RUNNER_CALLS:
+            getattr(runner, msg.method)(*msg.args)
+            continue
         if not isinstance(msg, StepMessage):
             raise TypeError(f"unexpected message {type(msg).__name__}")
         if msg.step == fault[0]:
             _inject_fault(args.rank, fault[1])
+        for req_id in msg.finished_req_ids:
+            runner.forget(req_id)  # its row in the token pool
         out = mirror.apply(msg)
+        if not out.scheduled:  # a step that only swaps blocks out
+            runner.swap_blocks(out)
+            continue
         runner.launch(out)
         sampled = [s.request for s in out.scheduled if s.samples]
         if sampled:

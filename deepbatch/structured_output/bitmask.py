@@ -32,7 +32,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
         so = r.structured_output
         if so is None:
             continue
-        so.advance(r.output_token_ids)
+        so.advance(r.output_token_ids, r.num_pending_tokens)
         if so.constrains_next_token:
             rows.append(i)
     if not rows:

@@ -3,10 +3,10 @@
 The matcher follows the request's output tokens; it never owns them. ``advance`` feeds it the
 output tokens it has not seen yet, so the same call serves every path a token takes:
 
-    output_token_ids:  [ t0 t1 ... | tk ... tn-1 | PENDING ]
-                        seen by the   not yet      the newest token, still on the device
-                        matcher       (committed)  (async scheduling): read from the step that
-                                                   sampled it, ``last_sample``
+    output_token_ids:  [ t0 t1 ... | tk ... tn-1 ] + a pending one
+                        seen by the   not yet        the newest token, still on the device
+                        matcher       (committed)    (async scheduling): read from the step that
+                                                     sampled it, ``last_sample``
 
 - synchronous steps: the engine commits token t, then ``advance`` accepts it;
 - async steps: step t+1 is launched before token t is committed; the sampler's ``advance`` reads
@@ -22,7 +22,6 @@ place that sequence ends in the output; tokens before it are free.
 
 from __future__ import annotations
 
-from deepbatch.core.request import PENDING_TOKEN
 from deepbatch.structured_output.grammar import CompiledGrammar
 
 
@@ -62,21 +61,23 @@ class StructuredOutputRequest:
     def constrains_next_token(self) -> bool:
         return self.matcher is not None and self.error is None and not self.matcher.is_terminated()
 
-    def advance(self, output_token_ids: list[int]) -> str | None:
-        """Feed the matcher the output tokens it has not seen; returns why the request must
-        fail (a token the grammar rejects, a matcher fault), else None. A pending token whose
-        step has not produced it usably (that row failed) is left for the commit, which fails
-        the request."""
+    def advance(self, output_token_ids: list[int], num_pending: int = 0) -> str | None:
+        """Feed the matcher the output tokens it has not seen, ``output_token_ids`` and then
+        ``num_pending`` (0 or 1) still on the device; returns why the request must fail (a token
+        the grammar rejects, a matcher fault), else None. A pending token whose step has not
+        produced it usably (that row failed) is left for the commit, which fails the request."""
         try:
-            if len(output_token_ids) < self.num_seen:
+            num_known = len(output_token_ids)
+            if num_known + num_pending < self.num_seen:
                 self._restart()
             if self.started and self.matcher is None:
                 self.matcher = self._new_matcher()
-            while self.error is None and self.num_seen < len(output_token_ids):
+            while self.error is None and self.num_seen < num_known + num_pending:
                 if self.is_terminated:
                     break  # the request ends here; a token computed a step late is dropped
-                token = output_token_ids[self.num_seen]
-                if token == PENDING_TOKEN:
+                if self.num_seen < num_known:
+                    token = output_token_ids[self.num_seen]
+                else:
                     token = self._read_pending()
                     if token is None:
                         break

@@ -1,8 +1,9 @@
 """Async scheduling under tensor parallelism (TP=2 over gloo): rank 0 schedules and launches step
 N+1 before step N's sampled ids reach its host, every rank reads the pending input token from
-the sampled ids rank 0 broadcasts, and the step messages carry a placeholder until the id is
-committed. Token-identical to synchronous steps of the same engine, for greedy and for seeded
-sampling with penalties, through chunked prefill and preemption; greedy also equals HF."""
+its token pool, filled from the sampled ids rank 0 broadcasts, and the step messages count the
+token pending until its id is committed. Token-identical to synchronous steps of the same engine,
+for greedy and for seeded sampling with penalties, through chunked prefill and preemption; greedy
+also equals HF."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The CPU runs each step to completion before ``launch`` returns, so what these tests check is the
 bookkeeping: pending tokens, the device-side input fix-up, stop checks a step late, preemption
-and aborts of requests whose last token is still pending, and that no pending id ever reaches a
-hash, a cached block or an output.
+and aborts of requests whose last token is still pending, that only real ids ever reach a hash, a
+cached block or an output, and that every request's row in the runner's token pool is released.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from deepbatch import LLM, SamplingParams
-from deepbatch.core.request import PENDING_TOKEN
 
 PROMPTS = [
     {"prompt_token_ids": [11, 12, 13, 14, 15, 16]},
@@ -29,11 +28,16 @@ def run(llm: LLM, async_scheduling: bool, params, prompts=PROMPTS):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.num_blocks  # nothing leaked
+    assert len(engine.runner.batch) == 0  # every row released
     return [[(o.token_ids, o.finish_reason, o.logprobs) for o in out.outputs] for out in outs]
 
 
 def cached_tokens(llm: LLM) -> list[int]:
     return [t for b in llm.engine.kv_cache.pool.blocks if b.key is not None for t in b.key[1]]
+
+
+def real_ids(llm: LLM, ids: list[int]) -> bool:
+    return all(0 <= t < llm.engine.hf_config.vocab_size for t in ids)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,7 @@ def test_greedy_identical_with_stops_and_lengths(llm):
     sync_stops = run(llm, False, stops)
     assert [o[0][1] for o in sync_stops][1:] == ["stop"] * 4
     assert run(llm, True, stops) == sync_stops
-    assert PENDING_TOKEN not in cached_tokens(llm)
+    assert cached_tokens(llm) and real_ids(llm, cached_tokens(llm))
 
 
 def test_seeded_sampling_n_and_logprobs_identical(llm):
@@ -98,7 +102,7 @@ def test_preemption_with_pending_tokens(tiny_checkpoints, penalty):
     llm.engine.scheduler.num_preemptions = 0
     assert run(llm, True, params, prompts) == sync
     assert llm.engine.scheduler.num_preemptions > 0
-    assert PENDING_TOKEN not in cached_tokens(llm)
+    assert cached_tokens(llm) and real_ids(llm, cached_tokens(llm))
 
 
 def test_abort_while_token_pending(llm):
@@ -108,9 +112,12 @@ def test_abort_while_token_pending(llm):
     engine.add_request("b", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine.scheduler.requests["a"].num_pending_tokens == 1
+    a = engine.scheduler.requests["a"]
+    assert a.num_pending_tokens == 1
+    num_committed = a.num_output_tokens - 1
     aborted = engine.abort_request("a")
-    assert aborted.finished and PENDING_TOKEN not in aborted.outputs[0].token_ids
+    assert aborted.finished and len(aborted.outputs[0].token_ids) == num_committed
+    assert real_ids(llm, aborted.outputs[0].token_ids)
     done = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

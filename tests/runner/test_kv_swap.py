@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepbatch import LLM, SamplingParams
-from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from deepbatch.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.scheduler.preemption import RECOMPUTE, SWAP
 
@@ -108,7 +108,6 @@ def test_a_swap_space_over_the_cgroup_limit_is_refused(tiny_checkpoints, tmp_pat
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(scheduler=SchedulerConfig(preemption_mode="swap")), "preemption_mode: 'swap' needs a swap space"),
-    (dict(cache=CacheConfig(swap_space=1.0), parallel=ParallelConfig(tensor_parallel_size=2)), "swap_space: not supported"),
 ])
 def test_contradictory_settings_are_refused(kwargs, message):
     base = dict(model=ModelConfig("m", torch.float32, 256), cache=CacheConfig(), scheduler=SchedulerConfig())

@@ -9,7 +9,6 @@ import pytest
 import torch
 import xgrammar
 
-from deepbatch.core.request import PENDING_TOKEN
 from deepbatch.core.sampling_params import SamplingParams, StructuredOutputsParams
 from deepbatch.sampling.sampler import SamplerOutput
 from deepbatch.structured_output.bitmask import (_ban_until_min_tokens, apply_bitmask, apply_bitmask_torch,
@@ -103,7 +102,7 @@ def test_matcher_reads_a_pending_token_from_its_step(grammars):
     state = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"\d{5}")))
     assert state.advance(ids[:-1]) is None and state.num_seen == len(ids) - 1
     state.last_sample = (FakeStep([99, ids[-1]]), 1)
-    assert state.advance(ids[:-1] + [PENDING_TOKEN]) is None and state.num_seen == len(ids)
+    assert state.advance(ids[:-1], num_pending=1) is None and state.num_seen == len(ids)
     assert state.matcher.is_completed() and not state.is_terminated
     # The commit finds the token already seen; EOS then terminates the grammar.
     assert state.advance(ids) is None and state.num_seen == len(ids)
@@ -114,7 +113,7 @@ def test_pending_token_of_a_failed_row_is_left_for_the_commit(grammars):
     cache, _ = grammars
     state = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"\d+")))
     state.last_sample = (FakeStep([7], errors={0: "NaN logits"}), 0)
-    assert state.advance([PENDING_TOKEN]) is None and state.num_seen == 0 and state.error is None
+    assert state.advance([], num_pending=1) is None and state.num_seen == 0 and state.error is None
 
 
 def test_rejected_token_is_the_requests_error(grammars):
@@ -162,6 +161,7 @@ def test_apply_grammar_bitmask_masks_only_constrained_rows(grammars):
 
     def request(state, output=()):
         return SimpleNamespace(structured_output=state, output_token_ids=list(output), num_output_tokens=len(output),
+                               num_pending_tokens=0,
                                sampling_params=SamplingParams(_eos_token_ids=frozenset(cache.stop_token_ids)))
 
     digits = StructuredOutputRequest(cache.compile(StructuredOutputsParams(regex=r"[0-9]{2}")))
