@@ -73,7 +73,7 @@ def test_engine_config_matches_llm(monkeypatch):
     assert captured == [config, config]
     assert config.model.model == "some/model.gguf" and config.cache.enable_prefix_caching is False
     assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 512)
-    assert config.mla_prefill == "expanded"
+    assert config.model.mla_prefill == "expanded"
     # --model is the same as the positional MODEL; neither means the embedded default.
     def model_of(argv):
         return cli.engine_config_from_args(cli.build_parser().parse_args(argv)).model.model
