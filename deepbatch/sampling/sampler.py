@@ -67,8 +67,8 @@ class SamplerOutput:
 class PendingSample:
     """A step's sampled ids (and logprobs) on their way to the host.
 
-    ``token_ids`` stays on the device, so the next step can read its inputs from it without a
-    host sync. The host copies are queued (into pinned memory on a GPU) behind the sampling
+    ``token_ids`` stays on the device: the runner scatters it into its token pool, where the next
+    step reads its inputs without a host sync. The host copies are queued (into pinned memory on a GPU) behind the sampling
     kernels; ``resolve`` waits for that copy alone, not for work queued after it.
     """
 
