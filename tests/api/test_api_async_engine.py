@@ -130,7 +130,8 @@ def test_step_failure_kills_the_engine():
     engine.start()
 
     async def main():
-        streams = [await engine.add_request(f"r{i}", "hi", params(100)) for i in range(3)]
+        # In one call: added one by one, a slow add could find the engine already dead.
+        streams = await engine.add_requests([(f"r{i}", "hi") for i in range(3)], params(100))
         for s in streams:
             with pytest.raises(EngineDeadError):
                 await s.result()
