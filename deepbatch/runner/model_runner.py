@@ -301,16 +301,7 @@ class ModelRunner:
         tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
             tables[i, : len(s.request.block_ids)] = s.request.block_ids
-        dev = self.device
-
-        pin = dev.type == "cuda"
-
-        def t(a, dtype):
-            # Pinned host memory makes the copy truly asynchronous: it queues behind the previous
-            # step's kernels instead of waiting for them.
-            host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-            return (host.pin_memory() if pin else host).to(device=dev, non_blocking=True)
-
+        t = self._to_device
         input_ids = t(np.concatenate(ids).astype(np.int64, copy=False), torch.long)
         if pending_rows:
             # Stream order makes this read the previous step's sampled ids once they exist.
@@ -360,10 +351,13 @@ class ModelRunner:
         """The step's sampled ids (``token_ids[i]`` is ``sampled[i]``'s) into the token pool, where
         the next step reads a pending input token; a tensor-parallel worker gets rank 0's."""
         rows = np.fromiter((self.batch.row(r.request_id) for r in sampled), dtype=np.int64, count=len(sampled))
-        host = torch.from_numpy(rows)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self.batch.record_sampled(host.to(self.device, non_blocking=True), token_ids)
+        self.batch.record_sampled(self._to_device(rows, torch.long), token_ids)
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned host memory makes the copy truly asynchronous: it queues behind the previous
+        # step's kernels instead of waiting for them.
+        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+        return (host.pin_memory() if self.device.type == "cuda" else host).to(device=self.device, non_blocking=True)
 
     def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
                                      prompt_rows: list[PromptLogprobRows]) -> PendingSample | None:
