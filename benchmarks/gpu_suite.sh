@@ -72,6 +72,11 @@ run_stage() {
     mla-prefill-sweep) stage mla-prefill-sweep 150 python3 benchmarks/mla_prefill_sweep.py \
       --output-json "$OUT/mla-prefill-sweep.json" ;;
     mla-sweep) stage mla-sweep 150 python3 benchmarks/mla_sweep.py --output-json "$OUT/mla-sweep.json" ;;
+    # 8-bit caches: which tiles reach the copy bandwidth over fp8 keys and latents.
+    attention-sweep-fp8) stage $1 240 python3 benchmarks/attention_sweep.py --ragged --kv-cache-dtype fp8 \
+      --tile-n 64,128,256 --warps 4,8 --stages 2,3,4,5 --output-json "$OUT/$1.json" ;;
+    mla-sweep-fp8|mla-sweep-int8) stage $1 200 python3 benchmarks/mla_sweep.py --kv-cache-dtype ${1#mla-sweep-} \
+      --output-json "$OUT/$1.json" ;;
     profile-mla-decode) stage profile-mla-decode 150 python3 benchmarks/gpu_profile.py \
       --model-config "$M/deepseek-v2-lite.json" --workload mla-moe --warm-steps 300 --steps 20 \
       --output-json "$OUT/profile-mla-decode.json" ;;
