@@ -6,14 +6,24 @@
 #   benchmarks/gpu_suite.sh parity nano-x4  # just these
 #
 # To compare with an earlier commit in the same call (the machine's speed drifts between calls),
-# run the same stages from a second tree, alternating:
+# extract it beside this tree and name it in BASE_TREE: each stage then runs there first (results
+# in $OUT/base), then here ($OUT/new), alternating, so both runs of a pair meet the same machine.
 #   git archive C deepbatch benchmarks | tar -x -C .base
-#   for s in nano-x4 mla-moe-plain; do (cd .base && OUT=$OUT/base bash benchmarks/gpu_suite.sh $s); \
-#     OUT=$OUT/new benchmarks/gpu_suite.sh $s; done
+#   BASE_TREE=.base benchmarks/gpu_suite.sh nano-x4 random-1k mla-moe-plain
+# (the base tree's own gpu_suite.sh runs its half, so a stage must exist in both).
 #
 # Stage time limits can be set through T_<STAGE> (upper case, dashes as underscores).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -n "${BASE_TREE:-}" ]; then
+  OUT=$(cd "$OUT" && pwd); here=$(pwd); base=$(cd "$BASE_TREE" && pwd)
+  [ $# -gt 0 ] || { echo "BASE_TREE: name the stages to compare"; exit 2; }
+  for s in "$@"; do
+    (cd "$base" && env -u BASE_TREE OUT="$OUT/base" PYTHONPATH= bash benchmarks/gpu_suite.sh "$s")
+    (cd "$here" && env -u BASE_TREE OUT="$OUT/new" bash benchmarks/gpu_suite.sh "$s")
+  done
+  exit 0
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 M=${MODELS:-benchmarks/models}
