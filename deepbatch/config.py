@@ -122,7 +122,8 @@ class ModelConfig:
 
 # How the paged KV cache stores K and V (vLLM's names plus int8; deepbatch/kernels/kv_quant.py):
 # auto = the model dtype; fp8 = fp8_e4m3 and fp8_e5m2 with per-layer scales from the checkpoint
-# (else 1.0); int8 with a scale per token and KV head computed as it is written.
+# (else measured at start-up with calculate_kv_scales, else 1.0); int8 with a scale per token and
+# KV head computed as it is written.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
@@ -143,6 +144,10 @@ class CacheConfig:
     kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype); fp8 (= fp8_e4m3) or fp8_e5m2 with "
                                       "the checkpoint's per-layer k_scale/v_scale (else 1.0); int8 with a scale per "
                                       "token and KV head", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = arg(False, "fp8 KV cache: give each attention layer whose checkpoint has no "
+                                           "k_scale/v_scale scales measured at start-up on one forward over random "
+                                           "tokens, instead of 1.0, which saturates K/V past the format's range "
+                                           "(other formats have no per-layer scales and ignore it)")
 
     def __post_init__(self) -> None:
         _check_choices(self)

@@ -34,6 +34,7 @@ class LLM:
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
         quantization: str | None = None,
         seed: int = 0,
         device: str | None = None,

@@ -43,6 +43,7 @@ CASES = {
     "swap_prefill_tokens_per_s": (1000.0, ("cache", "swap_prefill_tokens_per_s")),
     "swap_host_link_bytes_per_s": (2e9, ("cache", "swap_host_link_bytes_per_s")),
     "kv_cache_dtype": ("int8", ("cache", "kv_cache_dtype")),
+    "calculate_kv_scales": (True, ("cache", "calculate_kv_scales")),
     "max_num_seqs": (8, ("scheduler", "max_num_seqs")),
     "max_num_batched_tokens": (512, ("scheduler", "max_num_batched_tokens")),
     "scheduling_policy": ("priority", ("scheduler", "policy")),

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce(process_group, x: torch.Tensor, timeout: timedelta) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place; returns ``x``."""
+def all_reduce(process_group, x: torch.Tensor, timeout: timedelta, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or ``op``) ``x`` over the ranks, in place; returns ``x``."""
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = op
     opts.timeout = timeout
     process_group.allreduce([x], opts).wait(timeout)
     return x

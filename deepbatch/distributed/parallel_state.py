@@ -51,6 +51,12 @@ class TensorParallelGroup:
             return x
         return communication.all_reduce(self.process_group, x, self.timeout)
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the ranks (in place); free on a single rank."""
+        if self.is_single:
+            return x
+        return communication.all_reduce(self.process_group, x, self.timeout, dist.ReduceOp.MAX)
+
     def all_reduce_min(self, value: int) -> int:
         if self.is_single:
             return value

@@ -73,6 +73,7 @@ class LLMEngine:
         else:
             model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
             self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
+        self.runner.calibrate_kv_scales()  # fp8 scales the checkpoint lacks, if asked; before any graph
         self.num_blocks = self.runner.profile_num_blocks()
         swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)

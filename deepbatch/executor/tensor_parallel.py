@@ -133,6 +133,10 @@ class TensorParallelExecutor:
         """The cache format; its bytes per token are one rank's (each holds its heads' share)."""
         return self.runner.describe_kv_cache()
 
+    def calibrate_kv_scales(self) -> None:
+        """Every rank measures its heads' K/V; the ranks store with the largest (the scales of one process)."""
+        self._guard(lambda: self.runner.calibrate_kv_scales(self.group.all_reduce_max))
+
     def profile_num_blocks(self) -> int:
         """The smallest count any rank can hold: block ids mean the same slots on every rank."""
         return self._guard(lambda: self.group.all_reduce_min(self.runner.profile_num_blocks()))

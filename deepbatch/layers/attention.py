@@ -88,10 +88,11 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale_cache: torch.Tensor | None = None  # int8 only: [num_blocks, block_size, Hkv]
         self.v_scale_cache: torch.Tensor | None = None
-        # An fp8 cache's per-layer scales (x_q = x / scale): the checkpoint's, else 1.0.
+        # An fp8 cache's per-layer scales (x_q = x / scale): the checkpoint's, those measured at
+        # start-up (``calculate_kv_scales``), else 1.0; ``kv_scale_source`` says which.
         self.k_scale = 1.0
         self.v_scale = 1.0
-        self.kv_scales_loaded = False
+        self.kv_scale_source: str | None = None  # "checkpoint" or "calibrated"
         self.backend: AttentionBackend = AttentionBackend()
 
     def cache_shapes(self) -> list[tuple[int, ...]]:
@@ -121,7 +122,7 @@ class PagedAttention(nn.Module):
             self.v_scale = value
         else:
             raise ValueError(f"{name}: not a k_scale or v_scale")
-        self.kv_scales_loaded = True
+        self.kv_scale_source = "checkpoint"
 
     def bind(self, caches: list[torch.Tensor | None], backend: AttentionBackend) -> None:
         self.k_cache, self.v_cache, *scales = caches

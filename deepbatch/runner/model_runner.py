@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from deepbatch.layers.mla import MultiHeadLatentAttention
 from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.request import Request
+from deepbatch.runner.kv_scales import (calibration_token_ids, layers_without_scales, measure_kv_absmax,
+                                        set_kv_scales, warn_missing_scales)
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
@@ -65,10 +68,11 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------
 
-    def _layer_cache_specs(self, layer) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def _layer_cache_specs(self, layer, cache_dtype=None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        cache_dtype = cache_dtype or self.kv_cache_dtype
         if hasattr(layer, "cache_specs"):
-            return layer.cache_specs(self.kv_cache_dtype)
-        if self.kv_cache_dtype != self.dtype:
+            return layer.cache_specs(cache_dtype)
+        if cache_dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {type(layer).__name__} keeps its "
                              f"cache in the model dtype only; use kv_cache_dtype='auto'")
         return [(shape, self.dtype) for shape in layer.cache_shapes()]
@@ -78,10 +82,13 @@ class ModelRunner:
         return sum(self.block_size * math.prod(shape) * dtype.itemsize
                    for specs in self._cache_specs for shape, dtype in specs)
 
-    def _alloc_caches(self, num_blocks: int) -> list[list[torch.Tensor]]:
+    def _alloc_caches(self, num_blocks: int, cache_dtype=None) -> list[list[torch.Tensor]]:
+        """Caches for every layer in the configured format, or in ``cache_dtype`` (scratch)."""
+        all_specs = self._cache_specs if cache_dtype is None else [self._layer_cache_specs(a, cache_dtype)
+                                                                    for a in self.attn_layers]
         return [
             [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device) for shape, dtype in specs]
-            for specs in self._cache_specs
+            for specs in all_specs
         ]
 
     def describe_kv_cache(self) -> str:
@@ -97,16 +104,18 @@ class ModelRunner:
         return f"kv_cache_dtype {name} ({str(self.kv_cache_dtype).removeprefix('torch.')}{scales}), " \
                f"{per_token / 1024:.2f} KiB per token"
 
-    def _check_kv_scales(self) -> None:
-        """An fp8 cache without the checkpoint's scales stores x / 1.0: values past the format's
-        range (448 for e4m3) saturate, so say so once."""
-        if quant_mode(self.kv_cache_dtype) != 1:
+    def calibrate_kv_scales(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """With ``calculate_kv_scales`` and an fp8 cache, measure the scales of every layer the
+        checkpoint gave none (``runner/kv_scales.py``); a no-op otherwise. Every
+        tensor-parallel rank calls it at the same point of start-up, with ``all_reduce_max``."""
+        layers = layers_without_scales(self.attn_layers)
+        if not (self.config.cache.calculate_kv_scales and quant_mode(self.kv_cache_dtype) == 1 and layers):
             return
-        missing = sum(not getattr(a, "kv_scales_loaded", True) for a in self.attn_layers)
-        if missing:
-            logger.warning("kv_cache_dtype %s: the checkpoint has no k_scale/v_scale for %d of %d attention layers; "
-                           "those use 1.0 (K/V beyond +-%g saturate)", self.config.cache.kv_cache_dtype, missing,
-                           len(self.attn_layers), torch.finfo(self.kv_cache_dtype).max)
+        sched = self.config.scheduler
+        n = min(sched.max_num_batched_tokens, self.max_model_len, 2048 if self.device.type == "cuda" else 512)
+        ids = calibration_token_ids(self.sampler.vocab_size, n)
+        absmax = measure_kv_absmax(layers, lambda: self._dummy_forward(n, ids, cache_dtype=self.dtype))
+        set_kv_scales(layers, absmax if all_reduce_max is None else all_reduce_max(absmax), self.kv_cache_dtype)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit: the override if set; on a GPU, what ``gpu_memory_utilization``
@@ -143,30 +152,23 @@ class ModelRunner:
         return num_blocks
 
     @torch.no_grad()
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """A forward over one prompt of ``num_tokens`` tokens with a scratch KV cache just large
-        enough for it, to measure peak activation memory."""
+    def _dummy_forward(self, num_tokens: int, input_ids: torch.Tensor | None = None, cache_dtype=None) -> None:
+        """A forward over one prompt of ``num_tokens`` tokens (``input_ids``, else zeros) with a
+        scratch KV cache just large enough for it (in ``cache_dtype``, else the cache's format),
+        to measure peak activation memory or K/V ranges."""
         n_blocks = -(-num_tokens // self.block_size)
-        scratch = self._alloc_caches(n_blocks)
+        scratch = self._alloc_caches(n_blocks, cache_dtype)
         self._bind(scratch)
-        batch = ForwardBatch(
-            input_ids=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-            positions=torch.arange(num_tokens, device=self.device) % self.max_model_len,
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(n_blocks, dtype=torch.int32, device=self.device).unsqueeze(0),
-            logits_indices=torch.tensor([num_tokens - 1], device=self.device),
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-        )
+        batch = self._synthetic_batch([num_tokens], [num_tokens], torch.arange(num_tokens, device=self.device),
+                                      torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None], input_ids)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.model.compute_logits(hidden[batch.logits_indices])
         del scratch, hidden
         self._bind(self.kv_caches)  # none before init_kv_cache; a tensor-parallel worker has its own
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._check_kv_scales()
+        if quant_mode(self.kv_cache_dtype) == 1:
+            warn_missing_scales(self.attn_layers, self.config.cache.kv_cache_dtype, self.kv_cache_dtype)
         self.kv_caches = self._alloc_caches(num_blocks)
         self._bind(self.kv_caches)
         logger.info("KV cache format: %s", self.describe_kv_cache())
@@ -232,22 +234,25 @@ class ModelRunner:
             if chunk + 1 > budget or chunk > self.max_model_len:
                 continue
             q_lens, seq_lens = ([1], [context]) if chunk == 0 else ([1, chunk], [context, chunk])
-            n = sum(q_lens)
-            width = -(-max(seq_lens) // bs)
-            batch = ForwardBatch(
-                input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
-                positions=torch.cat([torch.arange(s - q, s, device=self.device) for q, s in zip(q_lens, seq_lens)]),
-                slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-                query_start_loc=torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=self.device),
-                logits_indices=torch.tensor([0], device=self.device),
-                max_query_len=max(q_lens),
-                max_seq_len=max(seq_lens),
-            )
+            batch = self._synthetic_batch(q_lens, seq_lens, torch.full((sum(q_lens),), -1, device=self.device),
+                                          torch.zeros(len(q_lens), -(-max(seq_lens) // bs), dtype=torch.int32,
+                                                      device=self.device))
             self.model(batch.input_ids, batch.positions, batch)
         self.sampler.warm_up()
         torch.cuda.synchronize(self.device)
+
+    def _synthetic_batch(self, q_lens: list[int], seq_lens: list[int], slot_mapping: torch.Tensor,
+                         block_tables: torch.Tensor, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """A start-up batch: ``q_lens[i]`` new tokens (``input_ids``, else zeros) ending sequence
+        ``i`` of ``seq_lens[i]`` tokens; the last token's logits."""
+        d, n = self.device, sum(q_lens)
+        return ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.long, device=d) if input_ids is None else input_ids.to(d),
+            positions=torch.cat([torch.arange(s - q, s, device=d) for q, s in zip(q_lens, seq_lens)]) % self.max_model_len,
+            slot_mapping=slot_mapping.long(), block_tables=block_tables, logits_indices=torch.tensor([n - 1], device=d),
+            query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=d),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d), max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens))
 
     def _bind(self, caches) -> None:
         for i, a in enumerate(self.attn_layers):

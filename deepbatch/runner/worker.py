@@ -98,6 +98,7 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
     store.set(loaded_key(args.rank), "1")
     store.wait([loaded_key(0)])  # the first collective follows: start it once rank 0 is ready too
     runner = ModelRunner(config, model, args.hf_config, args.max_model_len)
+    runner.calibrate_kv_scales(group.all_reduce_max)  # where rank 0's engine calls it: before profiling
     runner.init_kv_cache(group.all_reduce_min(runner.profile_num_blocks()))
     mirror = RequestMirror()
     parent = multiprocessing.parent_process()

@@ -23,10 +23,10 @@ def test_cache_specs_per_dtype():
 
 def test_checkpoint_scales():
     layer = PagedAttention(HEADS, KV_HEADS, DIM, DIM**-0.5)
-    assert (layer.k_scale, layer.v_scale, layer.kv_scales_loaded) == (1.0, 1.0, False)
+    assert (layer.k_scale, layer.v_scale, layer.kv_scale_source) == (1.0, 1.0, None)
     layer.load_kv_scale("model.layers.3.self_attn.k_scale", torch.tensor(0.25))
     layer.load_kv_scale("model.layers.3.self_attn.v_scale", torch.tensor([0.1, 0.5]))  # per head: the largest
-    assert (layer.k_scale, layer.v_scale, layer.kv_scales_loaded) == (0.25, 0.5, True)
+    assert (layer.k_scale, layer.v_scale, layer.kv_scale_source) == (0.25, 0.5, "checkpoint")
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="finite and > 0"):
             layer.load_kv_scale("k_scale", torch.tensor(bad))

@@ -100,7 +100,7 @@ def ours(path: str, prompts, kv_cache_dtype: str = "fp8"):
 
 
 def layer_scales(llm) -> dict[int, tuple[float, float]]:
-    return {i: (a.k_scale, a.v_scale) for i, a in enumerate(llm.engine.runner.attn_layers)}
+    return {i: (a.k_scale, a.v_scale) for i, a in enumerate(llm.engine.runner.model.attention_layers())}
 
 
 PROMPTS = (lambda rng: [[rng.randrange(3, 384) for _ in range(n)] for n in (3, 17, 40, 9, 60)])(random.Random(0))
@@ -187,3 +187,85 @@ def test_a_projection_scale_fails_the_load_naming_it(base, tmp_path):
     path = with_tensors(base, tmp_path / "other", {name: torch.tensor(0.5)})
     with pytest.raises(ValueError, match=re.escape(repr(name)) + " has no parameter"):
         LLM(path, dtype="float32", device="cpu", kv_cache_dtype="fp8")
+
+
+# -- calculate_kv_scales: scales measured at start-up for the layers the checkpoint leaves bare --
+
+
+def hf_kv_absmax(path: str, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, ``(max |K|, max |V|)`` per KV head over HF's unquantized forward of
+    ``token_ids``, K after the rotary embedding, as attention receives them."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attention(module, query, k, v, attention_mask, **kwargs):
+        seen[module.layer_idx] = (k.abs().amax(dim=(0, 2, 3)), v.abs().amax(dim=(0, 2, 3)))  # [B, Hkv, L, D]
+        return sdpa_attention_forward(module, query, k, v, attention_mask, **kwargs)
+
+    AttentionInterface.register("sdpa_kv_absmax", attention)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa_kv_absmax")
+    with torch.no_grad():
+        model(torch.tensor([token_ids]))
+    return [seen[i] for i in sorted(seen)]
+
+
+def calibrated(path: str, prompts=PROMPTS, **kwargs):
+    llm = LLM(path, dtype="float32", device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=True, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def calibration_prompt(llm) -> list[int]:
+    """The engine's calibration prompt: its seeded ids, as many as the CPU path takes."""
+    from deepbatch.runner.kv_scales import calibration_token_ids
+
+    n = min(llm.engine.config.scheduler.max_num_batched_tokens, llm.engine.max_model_len, 512)  # CPU: 512
+    return calibration_token_ids(llm.engine.hf_config.vocab_size, n).tolist()
+
+
+def expected_scales(path: str, llm) -> dict[int, tuple[float, float]]:
+    """2 x the largest |K|, |V| over HF's forward of the engine's calibration prompt, / 448."""
+    from deepbatch.runner.kv_scales import HEADROOM
+
+    limit = torch.finfo(FP8).max
+    return {i: (float(k.max()) * HEADROOM / limit, float(v.max()) * HEADROOM / limit)
+            for i, (k, v) in enumerate(hf_kv_absmax(path, calibration_prompt(llm)))}
+
+
+def test_calculated_scales_are_the_unquantized_models_range(base, caplog):
+    with caplog.at_level(logging.INFO, logger="deepbatch"):
+        got, llm = calibrated(base[0])
+    want_scales = expected_scales(base[0], llm)
+    scales = layer_scales(llm)
+    for layer, (k, v) in want_scales.items():
+        assert scales[layer] == (pytest.approx(k, rel=1e-5), pytest.approx(v, rel=1e-5))
+        assert llm.engine.runner.attn_layers[layer].kv_scale_source == "calibrated"
+    # These K/V reach past 448: 1.0 would have saturated them, and the scales say so.
+    assert all(k > 1.0 and v > 1.0 for k, v in scales.values())
+    assert "calculate_kv_scales: k_scale" in caplog.text and "no k_scale/v_scale" not in caplog.text
+    # The engine stores with the scales it measured, as HF reading the same round trip does.
+    assert got == hf_greedy(base[0], PROMPTS, scales)
+    assert got != hf_greedy(base[0], PROMPTS, UNIT)
+
+
+def test_checkpoint_scales_win_and_only_bare_layers_are_measured(base, tmp_path, caplog):
+    path = with_tensors(base, tmp_path / "partial", scale_tensors({0: SCALES[0]}))
+    with caplog.at_level(logging.WARNING, logger="deepbatch"):
+        got, llm = calibrated(path, PROMPTS[:2])
+    scales, layers = layer_scales(llm), llm.engine.runner.attn_layers
+    assert scales[0] == SCALES[0] and layers[0].kv_scale_source == "checkpoint"
+    k, v = expected_scales(base[0], llm)[1]
+    assert scales[1] == (pytest.approx(k, rel=1e-5), pytest.approx(v, rel=1e-5))
+    assert layers[1].kv_scale_source == "calibrated"
+    assert "k_scale/v_scale" not in caplog.text
+    assert got == hf_greedy(base[0], PROMPTS[:2], scales)
+
+
+def test_other_formats_ignore_calculate_kv_scales(base):
+    for kv_cache_dtype in ("auto", "int8"):
+        llm = LLM(base[0], dtype="float32", device="cpu", kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+        assert layer_scales(llm) == UNIT
+        assert all(a.kv_scale_source is None for a in llm.engine.runner.attn_layers)
