@@ -54,10 +54,11 @@ def calibration_token_ids(vocab_size: int, num_tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure_kv_absmax(layers: list[torch.nn.Module], forward: Callable[[], None]) -> torch.Tensor:
-    """``[len(layers), 2]`` float32: the largest ``|K|`` and ``|V|`` each layer is handed while
-    ``forward()`` runs (its ``forward(q, k, v, batch)`` arguments, after the rotary embedding)."""
-    absmax = None
+def measure_kv_absmax(layers: list[torch.nn.Module], forward: Callable[[], None], device: torch.device) -> torch.Tensor:
+    """``[len(layers), 2]`` float32 on ``device`` (the model's): the largest ``|K|`` and ``|V|``
+    each layer is handed while ``forward()`` runs (its ``forward(q, k, v, batch)`` arguments,
+    after the rotary embedding)."""
+    absmax = torch.zeros(len(layers), 2, dtype=torch.float32, device=device)
 
     def record(i):
         def hook(module, args):
@@ -68,8 +69,6 @@ def measure_kv_absmax(layers: list[torch.nn.Module], forward: Callable[[], None]
 
     handles = [layer.register_forward_pre_hook(record(i)) for i, layer in enumerate(layers)]
     try:
-        device = next((p.device for layer in layers for p in layer.parameters()), None)
-        absmax = torch.zeros(len(layers), 2, dtype=torch.float32, device=device)
         forward()
     finally:
         for h in handles:

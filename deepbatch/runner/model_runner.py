@@ -114,7 +114,7 @@ class ModelRunner:
         sched = self.config.scheduler
         n = min(sched.max_num_batched_tokens, self.max_model_len, 2048 if self.device.type == "cuda" else 512)
         ids = calibration_token_ids(self.sampler.vocab_size, n)
-        absmax = measure_kv_absmax(layers, lambda: self._dummy_forward(n, ids, cache_dtype=self.dtype))
+        absmax = measure_kv_absmax(layers, lambda: self._dummy_forward(n, ids, cache_dtype=self.dtype), self.device)
         set_kv_scales(layers, absmax if all_reduce_max is None else all_reduce_max(absmax), self.kv_cache_dtype)
 
     def profile_num_blocks(self) -> int:
