@@ -3,8 +3,8 @@ whose checkpoint has none, and a warning for those left at 1.0.
 
 An fp8 cache stores ``x / scale``. A checkpoint calibrated for it carries each layer's
 ``k_scale``/``v_scale``; without them the scale is 1.0, and K or V past the format's range (448
-for e4m3) saturate: models with large K (Qwen2's biased projections among them) then lose much of
-their accuracy. With ``calculate_kv_scales`` every layer that has no checkpoint scales gets
+for e4m3) saturate, and a model whose K/V leave that range loses much of its accuracy (vLLM
+measured Qwen2-7B's fp8 perplexity at 34.8 with 1.0 and 22.6 with measured scales). With ``calculate_kv_scales`` every layer that has no checkpoint scales gets
 
     k_scale = HEADROOM * max |K| / fp8_max        (v_scale likewise)
 
@@ -20,6 +20,7 @@ with the scales one process would use.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -78,11 +79,11 @@ def measure_kv_absmax(layers: list[torch.nn.Module], forward: Callable[[], None]
 
 def set_kv_scales(layers: list[torch.nn.Module], absmax: torch.Tensor, cache_dtype: torch.dtype) -> None:
     """Each layer's ``k_scale``/``v_scale`` from its measured ``absmax`` row. A layer that saw
-    only zeros keeps 1.0 (any scale stores zeros exactly)."""
+    only zeros (any scale stores zeros exactly), or a value that is not finite, keeps 1.0."""
     scales = (absmax.cpu() * (HEADROOM / fp8_max(cache_dtype))).tolist()
     for layer, (k_scale, v_scale) in zip(layers, scales):
-        layer.k_scale = k_scale if k_scale > 0 else 1.0
-        layer.v_scale = v_scale if v_scale > 0 else 1.0
+        layer.k_scale = k_scale if 0 < k_scale < math.inf else 1.0
+        layer.v_scale = v_scale if 0 < v_scale < math.inf else 1.0
         layer.kv_scale_source = "calibrated"
     k = [layer.k_scale for layer in layers]
     v = [layer.v_scale for layer in layers]
