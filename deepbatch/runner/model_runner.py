@@ -28,7 +28,7 @@ from deepbatch.layers.mla import MultiHeadLatentAttention
 from deepbatch.runner.cuda_graph import CudaGraphs
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.request import Request
-from deepbatch.runner.kv_scales import (calibration_token_ids, layers_without_scales, measure_kv_absmax,
+from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_scales, measure_kv_absmax,
                                         set_kv_scales, warn_missing_scales)
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
@@ -106,7 +106,7 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """With ``calculate_kv_scales`` and an fp8 cache, measure the scales of every layer the
-        checkpoint gave none (``runner/kv_scales.py``); a no-op otherwise. Every
+        checkpoint gave none (``layers/kv_scales.py``); a no-op otherwise. Every
         tensor-parallel rank calls it at the same point of start-up, with ``all_reduce_max``."""
         layers = layers_without_scales(self.attn_layers)
         if not (self.config.cache.calculate_kv_scales and quant_mode(self.kv_cache_dtype) == 1 and layers):

@@ -220,7 +220,7 @@ def calibrated(path: str, prompts=PROMPTS, **kwargs):
 
 def calibration_prompt(llm) -> list[int]:
     """The engine's calibration prompt: its seeded ids, as many as the CPU path takes."""
-    from deepbatch.runner.kv_scales import calibration_token_ids
+    from deepbatch.layers.kv_scales import calibration_token_ids
 
     n = min(llm.engine.config.scheduler.max_num_batched_tokens, llm.engine.max_model_len, 512)  # CPU: 512
     return calibration_token_ids(llm.engine.hf_config.vocab_size, n).tolist()
@@ -228,7 +228,7 @@ def calibration_prompt(llm) -> list[int]:
 
 def expected_scales(path: str, llm) -> dict[int, tuple[float, float]]:
     """2 x the largest |K|, |V| over HF's forward of the engine's calibration prompt, / 448."""
-    from deepbatch.runner.kv_scales import HEADROOM
+    from deepbatch.layers.kv_scales import HEADROOM
 
     limit = torch.finfo(FP8).max
     return {i: (float(k.max()) * HEADROOM / limit, float(v.max()) * HEADROOM / limit)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepbatch.layers.attention import PagedAttention
-from deepbatch.runner.kv_scales import HEADROOM, calibration_token_ids, layers_without_scales, set_kv_scales
+from deepbatch.layers.kv_scales import HEADROOM, calibration_token_ids, layers_without_scales, set_kv_scales
 
 
 def layers(n: int) -> list[PagedAttention]:

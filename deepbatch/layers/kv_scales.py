@@ -1,5 +1,6 @@
-"""Per-layer fp8 KV cache scales: measured at start-up (``calculate_kv_scales``) for the layers
-whose checkpoint has none, and a warning for those left at 1.0.
+"""Per-layer fp8 KV cache scales of the attention layers: measured at start-up
+(``calculate_kv_scales``; the runner supplies the forward) for the layers whose checkpoint has
+none (``PagedAttention.load_kv_scale`` takes those it has), and a warning for those left at 1.0.
 
 An fp8 cache stores ``x / scale``. A checkpoint calibrated for it carries each layer's
 ``k_scale``/``v_scale``; without them the scale is 1.0, and K or V past the format's range (448
