@@ -3,9 +3,10 @@
 none (``PagedAttention.load_kv_scale`` takes those it has), and a warning for those left at 1.0.
 
 An fp8 cache stores ``x / scale``. A checkpoint calibrated for it carries each layer's
-``k_scale``/``v_scale``; without them the scale is 1.0, and K or V past the format's range (448
-for e4m3) saturate, and a model whose K/V leave that range loses much of its accuracy (vLLM
-measured Qwen2-7B's fp8 perplexity at 34.8 with 1.0 and 22.6 with measured scales). With ``calculate_kv_scales`` every layer that has no checkpoint scales gets
+``k_scale``/``v_scale``. Without them the scale is 1.0 and K or V past the format's range (448
+for e4m3) saturate: a model whose K/V leave that range loses much of its accuracy (vLLM measured
+Qwen2-7B's fp8 perplexity at 34.8 with 1.0 and 22.6 with measured scales). With
+``calculate_kv_scales`` every layer that has no checkpoint scales gets
 
     k_scale = HEADROOM * max |K| / fp8_max        (v_scale likewise)
 
