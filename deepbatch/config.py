@@ -78,15 +78,20 @@ def internal(default: Any, why: str, env: str | None = None) -> Any:
 
 
 def _check_choices(config: Any) -> None:
-    """Each field with choices holds one of them (None too where the field may be None)."""
+    """Each field with choices holds one of them, and each switch a bool (None too where the field
+    may be None): ``"no"`` or ``0`` would otherwise pass as a truth value."""
     for f in fields(config):
         spec = f.metadata.get("arg")
-        if spec is None or spec.choices is None:
+        if spec is None:
             continue
         value = getattr(config, f.name)
-        if value in spec.choices or (value is None and "None" in str(f.type).replace(" ", "").split("|")):
+        types = str(f.type).replace(" ", "").split("|")
+        if value is None and "None" in types:
             continue
-        raise ValueError(f"{spec.name or f.name}: must be one of {', '.join(spec.choices)}; got {value!r}")
+        if "bool" in types and not isinstance(value, bool):
+            raise ValueError(f"{spec.name or f.name}: must be true or false; got {value!r}")
+        if spec.choices is not None and value not in spec.choices:
+            raise ValueError(f"{spec.name or f.name}: must be one of {', '.join(spec.choices)}; got {value!r}")
 
 
 # Weight formats --quantization names (deepbatch/layers/quantization); fp8 is also applied online.

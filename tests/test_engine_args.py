@@ -195,6 +195,9 @@ def test_unknown_keyword_is_a_type_error_naming_it():
     ({"dtype": "int8"}, "dtype: unknown dtype"),
     ({"preemption_mode": "swap"}, "needs a swap space"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be >= 1"),
+    ({"calculate_kv_scales": "yes"}, "calculate_kv_scales: must be true or false"),
+    ({"enable_prefix_caching": 0}, "enable_prefix_caching: must be true or false"),
+    ({"async_scheduling": "off"}, "async_scheduling: must be true or false"),
 ])
 def test_bad_values_are_the_configs_value_errors(kwargs, message, captured):
     with pytest.raises(ValueError, match=message):
