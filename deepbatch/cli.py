@@ -124,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deepbatch.api.chat_template import load_chat_template
     from deepbatch.api.server import ServerConfig, run_server
     from deepbatch.engine.async_engine import AsyncEngine
+    from deepbatch.engine.core_client import EngineCoreClient
     from deepbatch.metrics.tracing import default_traces_endpoint, make_tracer_provider
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
@@ -147,7 +148,9 @@ def _serve(args: argparse.Namespace) -> int:
     if tracer_provider is not None:
         logging.getLogger("deepbatch.server").info("tracing requests to %s", traces_endpoint)
     torch.manual_seed(args.seed)
-    engine = AsyncEngine.from_config(
+    # The engine core in its own process (the default), or stepped on a thread of this one.
+    engine_class = EngineCoreClient if envs.DEEPBATCH_ENGINE_PROCESS else AsyncEngine
+    engine = engine_class.from_config(
         config, max_queued_requests=args.max_queued_requests or None, max_queued_tokens=args.max_queued_tokens or None,
         tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP,
     )

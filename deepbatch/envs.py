@@ -64,6 +64,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     ) or None,
     # Threads that tokenize prompts and apply chat templates beside the event loop.
     "DEEPBATCH_TOKENIZER_THREADS": _int("DEEPBATCH_TOKENIZER_THREADS", 2),
+    # 1 (the default): ``deepbatch serve`` runs the engine core in a process of its own beside
+    # the API process; 0: it steps the engine on a thread of the API process (for debugging).
+    "DEEPBATCH_ENGINE_PROCESS": _int("DEEPBATCH_ENGINE_PROCESS", 1),
 }
 
 

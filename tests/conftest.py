@@ -8,6 +8,14 @@ import tempfile
 import deepbatch  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 import pytest
 import torch
+from hypothesis import settings
+
+# Property-based tests and the schema fuzzers draw the same examples on every run (``ci``, the
+# default): a red run is a real failure, and a rerun reproduces it. Long random fuzzing is opt-in:
+#   HYPOTHESIS_PROFILE=fuzz python -m pytest tests/api/test_api_schema_fuzz.py tests/kv_cache
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("fuzz", max_examples=1000, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One GGUF conversion cache for the whole run (servers started by the tests inherit it), kept out

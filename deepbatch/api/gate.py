@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from deepbatch.api.auth import KeyFileError, load_keys
 from deepbatch.api.errors import APIError, error_response
-from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from deepbatch.api.server import ServerConfig, ServerState
@@ -36,7 +36,7 @@ class Gate:
     and 503 on /v1 while draining or dead. It also counts replies not yet written, so a forced
     exit can wait for them. (Starlette's BaseHTTPMiddleware would hide client disconnects.)"""
 
-    def __init__(self, app, engine: AsyncEngine, state: ServerState):
+    def __init__(self, app, engine: EngineClient, state: ServerState):
         self.app = app
         self.engine = engine
         self.state = state

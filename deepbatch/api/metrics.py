@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine.engine_client import EngineClient
 from deepbatch.engine.snapshot import EngineSnapshot
 from deepbatch.core.outputs import RequestOutput
 
@@ -62,7 +62,7 @@ def token_count_buckets(max_model_len: int) -> list[int]:
 class _EngineCollector:
     """Gauges and engine-owned counters, computed from the snapshot when scraped."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
@@ -159,30 +159,8 @@ class _Progress:
     last_token_time: dict[int, float] = field(default_factory=dict)
 
 
-def cache_config_info(llm_engine) -> dict[str, str] | None:
-    """The labels of ``vllm:cache_config_info``: the KV cache's settings, with vLLM's label names
-    and ``str()`` values, and the block counts found at start-up. None for an engine without an
-    ``EngineConfig``."""
-    config = getattr(llm_engine, "config", None)
-    if config is None:
-        return None
-    cache = config.cache
-    host_pool = llm_engine.scheduler.preemptor.host_pool
-    info = {
-        "block_size": cache.block_size,
-        "cache_dtype": cache.kv_cache_dtype,
-        "enable_prefix_caching": cache.enable_prefix_caching,
-        "gpu_memory_utilization": cache.gpu_memory_utilization,
-        "num_gpu_blocks": llm_engine.num_blocks,
-        "num_gpu_blocks_override": cache.num_gpu_blocks_override,
-        "num_cpu_blocks": host_pool.num_blocks if host_pool is not None else 0,
-        "swap_space": cache.swap_space,
-    }
-    return {name: str(value) for name, value in info.items()}
-
-
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str, *, max_model_len: int = 1 << 20,
+    def __init__(self, engine: EngineClient, model_name: str, *, max_model_len: int = 1 << 20,
                  cache_info: dict[str, str] | None = None):
         """``max_model_len`` bounds the request-size buckets (the server passes the engine's);
         ``cache_info``: the labels of ``vllm:cache_config_info`` (none without it)."""
@@ -302,7 +280,7 @@ class ServerMetrics:
             self.iteration_tokens.observe(step_tokens)
 
 
-async def log_stats_periodically(engine: AsyncEngine, interval: float) -> None:
+async def log_stats_periodically(engine: EngineClient, interval: float) -> None:
     """One line every ``interval`` seconds while the engine is busy (vLLM's format)."""
     last, last_t = engine.snapshot(), time.monotonic()
     while True:

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP server: app factory, auth, request gate, routes, graceful drain.
 
-    uvicorn (event loop)  --  Gate  --  FastAPI routes  --  OpenAIServing  --  AsyncEngine (engine thread)
+    uvicorn (event loop)  --  Gate  --  FastAPI routes  --  OpenAIServing  --  EngineClient
+                                                                                 |
+                       the engine core process (core_client.py), or a thread of this one (async_engine.py)
 
 Lifecycle (exit statuses in ``EXIT_*``):
 - start: the model loads before the port opens, so a reachable /health means ready;
@@ -35,7 +37,7 @@ from deepbatch.api.chat_template import install_chat_template
 from deepbatch.api.dashboard import install_dashboard
 from deepbatch.api.errors import APIError, ContainErrors, install_error_handlers
 from deepbatch.api.gate import Gate, reload_keys
-from deepbatch.api.metrics import ServerMetrics, cache_config_info, engine_stats, log_stats_periodically
+from deepbatch.api.metrics import ServerMetrics, engine_stats, log_stats_periodically
 from deepbatch.api.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
     ModelList,
@@ -46,7 +48,7 @@ from deepbatch.api.openapi import (
 from deepbatch.api.request_body import body_parser
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.api.serving_tokenize import TOKENIZE_MODELS, add_tokenize_routes
-from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine.engine_client import EngineClient
 from deepbatch.metrics.tracing import RequestTracer
 
 logger = logging.getLogger("deepbatch.server")
@@ -123,7 +125,7 @@ def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, p
     return gated
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -> FastAPI:
+def build_app(engine: EngineClient, config: ServerConfig, tracer_provider=None) -> FastAPI:
     """``tracer_provider``: an OpenTelemetry TracerProvider that gets one span per request (see
     deepbatch/metrics/tracing.py); None traces nothing."""
     names = list(config.served_model_names) or [engine.model_name]
@@ -138,7 +140,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -
                            engine.tokenizer)
     serving = OpenAIServing(engine, names, tracer, parsers)
     metrics = ServerMetrics(engine, names[0], max_model_len=engine.max_model_len,
-                            cache_info=cache_config_info(engine.engine))
+                            cache_info=engine.cache_info)
 
     def on_engine_dead(error) -> None:  # on the event loop
         state.exit_code = EXIT_ENGINE_DEAD
@@ -231,7 +233,7 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
         super().__init__(config)
         self.app_state: ServerState = app.state.server_state
-        self.engine: AsyncEngine = app.state.engine
+        self.engine: EngineClient = app.state.engine
         self.shutdown_timeout = shutdown_timeout
         self.app_state.server = self
 
@@ -285,7 +287,7 @@ class _DrainingServer(uvicorn.Server):
             self.force_exit = True
 
 
-def run_server(engine: AsyncEngine, config: ServerConfig, tracer_provider=None) -> int:
+def run_server(engine: EngineClient, config: ServerConfig, tracer_provider=None) -> int:
     """Serve until drained or dead; returns the process exit code (``EXIT_*``). The caller is
     expected to exit with it: from then on SIGTERM and SIGINT are ignored."""
     app = build_app(engine, config, tracer_provider)

@@ -1,4 +1,4 @@
-"""The OpenAI completions and chat endpoints on top of ``AsyncEngine``: a validated request
+"""The OpenAI completions and chat endpoints on top of an ``EngineClient``: a validated request
 becomes sampling parameters and engine requests; their outputs are awaited (or streamed) and
 become the reply, whose shape ``responses`` makes. Errors raised while accepting a request, and
 after, become OpenAI error answers here.
@@ -42,7 +42,8 @@ from deepbatch.api.responses import ChoiceState, StreamSpec
 from deepbatch.api.serving_tools import ToolPlan, output_constraint, plan_tools
 from deepbatch.api.sse import SSEResponse, run_until_disconnect
 from deepbatch.api.structured import Constraint, param_alias, request_constraints, single, structured_outputs
-from deepbatch.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
+from deepbatch.engine.admission import QueueFullError
+from deepbatch.engine.engine_client import EngineClient, EngineDrainingError
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.outputs import RequestOutput
@@ -94,7 +95,7 @@ def _renamed(param: str | None, aliases: dict[str, str]) -> str | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], tracer: RequestTracer | None = None,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], tracer: RequestTracer | None = None,
                  parsers: ParserConfig | None = None):
         self.engine = engine
         self.model_names = served_model_names
@@ -396,7 +397,7 @@ def _check_prompt_logprobs(req: SamplingRequest) -> None:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`", "prompt_logprobs")
 
 
-def _failure(e: Exception, engine: AsyncEngine) -> APIError:
+def _failure(e: Exception, engine: EngineClient) -> APIError:
     """The answer to a request that failed after it was accepted."""
     if isinstance(e, APIError):
         return e

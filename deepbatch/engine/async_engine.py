@@ -32,42 +32,18 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from functools import partial
 
-from deepbatch.engine.admission import QueueBounds, QueueFullError, RequestIds
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.outputs import RequestOutput
+from deepbatch.engine.admission import QueueFullError
+from deepbatch.engine.engine_client import EngineClient, EngineDrainingError, Observer, _Add
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot, waiting_tokens
+from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
 
 __all__ = ["AsyncEngine", "EngineDrainingError", "Observer", "QueueFullError"]
 
 logger = logging.getLogger(__name__)
-
-# Longest that ``drain`` waits for aborted requests to be answered once the timeout has passed; a
-# step in progress must end before the engine thread sees the aborts.
-_ABORT_GRACE_S = 30.0
-
-
-class EngineDrainingError(RuntimeError):
-    """The engine is draining for shutdown and accepts no new requests."""
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: dict
-    params: SamplingParams
-    priority: int
-    tenant: str
-    arrival_time: float
-    stream: RequestStream
-    num_seqs: int
 
 
 @dataclass
@@ -75,17 +51,14 @@ class _Abort:
     request_id: str
 
 
-# Called on the engine thread with every output of an iteration (metrics); must be quick.
-Observer = Callable[[list[RequestOutput]], None]
+class AsyncEngine(EngineClient):
+    """Observers and dead callbacks run on the engine thread."""
 
-
-class AsyncEngine:
     def __init__(self, engine, *, max_queued_requests: int | None = None, max_queued_tokens: int | None = None,
                  tokenizer_threads: int = 2, fault_inject_step: int | None = None):
-        self.engine = engine
-        self._bounds = QueueBounds(max_queued_requests, max_queued_tokens)
+        super().__init__(engine, max_queued_requests=max_queued_requests, max_queued_tokens=max_queued_tokens,
+                         tokenizer_threads=tokenizer_threads)
         self._fault_inject_step = fault_inject_step
-        self._pool = ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="deepbatch-tokenize")
         self._cond = threading.Condition()
         # Guarded by _cond: the inbox, the sequences it holds, the engine's published waiting count
         # and the accepting state.
@@ -94,15 +67,8 @@ class AsyncEngine:
         self._pending_tokens = 0
         self._num_waiting = 0
         self._num_waiting_tokens = 0
-        self._draining = False
-        self._stopping = False
         self._faulted = False  # a rank failed between steps; the engine thread will find out
-        self._dead: EngineDeadError | None = None
-        self._streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet answered
-        self._ids = RequestIds()  # event-loop side
         self._active: dict[str, RequestStream] = {}  # engine-thread side: requests in the engine
-        self._observers: list[Observer] = []
-        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._snapshot = EngineSnapshot()
         self._num_step_calls = 0
         self._thread: threading.Thread | None = None
@@ -118,23 +84,9 @@ class AsyncEngine:
 
     # -- read-only views ------------------------------------------------------------------------
 
-    model_name = property(lambda self: self.engine.model_name)
-    max_model_len = property(lambda self: self.engine.max_model_len)
-    tokenizer = property(lambda self: self.engine.tokenizer)
-    max_queued_requests = property(lambda self: self._bounds.max_queued_requests)
-    max_queued_tokens = property(lambda self: self._bounds.max_queued_tokens)
-
     @property
-    def is_dead(self) -> bool:
-        return self._dead is not None
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self._dead
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
+    def cache_info(self) -> dict[str, str] | None:
+        return cache_config_info(self.engine)
 
     def snapshot(self) -> EngineSnapshot:
         """The newest counters; requests still in the inbox count as waiting."""
@@ -144,13 +96,6 @@ class AsyncEngine:
         if pending:
             snap = replace(snap, num_waiting=snap.num_waiting + pending)
         return snap
-
-    def add_observer(self, observer: Observer) -> None:
-        self._observers.append(observer)
-
-    def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        """``callback(error)`` runs on the engine thread once the engine has died."""
-        self._dead_callbacks.append(callback)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -173,94 +118,19 @@ class AsyncEngine:
             if engine_shutdown is not None:
                 engine_shutdown()
 
-    async def drain(self, timeout: float) -> int:
-        """Refuse new requests, let in-flight ones finish for up to ``timeout`` seconds, then abort
-        the rest (they end with finish_reason "abort"). Returns how many were aborted."""
-        with self._cond:
-            self._draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout, 0.0)
-        while self._streams and not self.is_dead and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        remaining = list(self._streams)
-        for request_id in remaining:
-            self.abort(request_id)
-        deadline = loop.time() + _ABORT_GRACE_S
-        while self._streams and not self.is_dead and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        return len(remaining)
-
     # -- requests -------------------------------------------------------------------------------
 
-    async def apply_chat_template(self, messages: list[dict], /, **kwargs) -> list[int]:
-        return await self._in_pool(self.engine.apply_chat_template, messages, **kwargs)
+    def _check_prompt(self, request_id, prompt, params, priority, tenant, arrival) -> tuple[str | None, list[int]]:
+        first = self.engine.make_requests(request_id, prompt, params, priority, tenant, arrival)[0]
+        return first.prompt, first.prompt_token_ids
 
-    async def _in_pool(self, fn, /, *args, **kwargs):
-        # Positional-only: caller keyword arguments (chat template variables) may be named "fn".
-        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args, **kwargs))
-
-    async def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, *,
-                          priority: int = 0, tenant: str = "default",
-                          arrival_time: float | None = None) -> RequestStream:
-        """Validate (raising InvalidRequestError, QueueFullError, EngineDrainingError or
-        EngineDeadError) and enqueue one request; its updates arrive on the returned stream."""
-        streams = await self.add_requests([(request_id, prompt)], params, priority=priority, tenant=tenant,
-                                          arrival_time=arrival_time)
-        return streams[0]
-
-    async def add_requests(self, prompts: list[tuple[str, str | list[int] | dict]], params: SamplingParams, *,
-                           priority: int = 0, tenant: str = "default",
-                           arrival_time: float | None = None) -> list[RequestStream]:
-        """``add_request`` for the ``(request_id, prompt)`` pairs of one API call, all or none:
-        the queue bounds apply to them together, and if one is refused none is queued."""
-        self._check_accepting()
-        num_seqs = params.n * len(prompts)
-        self._bounds.check_fits(num_seqs, 0, params.n)
-        self._ids.reserve([request_id for request_id, _ in prompts], params.n)
-        try:
-            arrival = time.monotonic() if arrival_time is None else arrival_time
-            if params.structured_outputs is not None:
-                # Compiling a grammar can take seconds: in a worker thread of its own (not the
-                # event loop, not the tokenizer pool), once for all prompts; the engine thread
-                # then finds it attached to the params.
-                params = await asyncio.to_thread(self.engine.prepare_structured_output, params)
-            made = [await self._in_pool(self.engine.make_requests, request_id, prompt, params, priority, tenant,
-                                        arrival) for request_id, prompt in prompts]
-            num_tokens = sum(len(requests[0].prompt_token_ids) * len(requests) for requests in made)
-            self._bounds.check_fits(num_seqs, num_tokens, params.n)
-            loop = asyncio.get_running_loop()
-            commands = []
-            for (request_id, _), requests in zip(prompts, made):
-                first = requests[0]
-                # Token ids travel to the engine thread, so it never tokenizes (it re-validates cheaply).
-                prompt_dict = {"prompt_token_ids": first.prompt_token_ids, "prompt": first.prompt}
-                commands.append(_Add(request_id, prompt_dict, params, priority, tenant, arrival,
-                                     RequestStream(request_id, loop), len(requests)))
-            with self._cond:
-                self._check_accepting(num_seqs, num_tokens)
-                self._inbox.extend(commands)
-                self._pending_seqs += num_seqs
-                self._pending_tokens += num_tokens
-                self._cond.notify()
-        except BaseException:
-            for request_id, _ in prompts:
-                self._forget(request_id)
-            raise
-        for cmd in commands:
-            self._streams[cmd.request_id] = cmd.stream
-        return [cmd.stream for cmd in commands]
-
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
-                       **kwargs) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its updates; leaving early (or being cancelled) aborts it."""
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
-        stream = await self.add_request(request_id, prompt, params, **kwargs)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(request_id)
+    def _submit(self, adds: list[_Add], num_seqs: int, num_tokens: int) -> None:
+        with self._cond:
+            self._check_accepting(num_seqs, num_tokens)
+            self._inbox.extend(adds)
+            self._pending_seqs += num_seqs
+            self._pending_tokens += num_tokens
+            self._cond.notify()
 
     def abort(self, request_id: str) -> None:
         """End a request and free its KV blocks; non-blocking, safe in ``finally`` during
@@ -270,18 +140,8 @@ class AsyncEngine:
                 self._inbox.append(_Abort(request_id))
                 self._cond.notify()
 
-    def _forget(self, request_id: str) -> None:
-        """The request has been answered: its id and its samples' ids are free again."""
-        self._streams.pop(request_id, None)
-        self._ids.release(request_id)
-
-    def _check_accepting(self, num_seqs: int = 0, num_tokens: int = 0) -> None:
-        if self._dead is not None:
-            raise self._dead
-        if self._draining or self._stopping:
-            raise EngineDrainingError("the server is shutting down and accepts no new requests")
-        queued = (self._pending_seqs + self._num_waiting, self._pending_tokens + self._num_waiting_tokens)
-        self._bounds.check_room(queued, (num_seqs, num_tokens))
+    def _queued(self) -> tuple[int, int]:
+        return self._pending_seqs + self._num_waiting, self._pending_tokens + self._num_waiting_tokens
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -364,11 +224,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        for observer in self._observers:
-            try:
-                observer(outputs)
-            except Exception:  # metrics must never take the engine down
-                logger.exception("engine output observer failed")
+        self._notify_observers(outputs)
         pairs = []
         for out in outputs:
             stream = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
@@ -398,11 +254,7 @@ class AsyncEngine:
             self._pending_seqs = 0
             self._pending_tokens = 0
         # Callbacks first: by the time a client reads its error, the server already reports dead.
-        for callback in self._dead_callbacks:
-            try:
-                callback(error)
-            except Exception:
-                logger.exception("dead-engine callback failed")
+        self._run_dead_callbacks(error)
         self._fail_all(error, [c.stream for c in commands if isinstance(c, _Add)])
 
     def _fail_all(self, error: BaseException, extra: list[RequestStream]) -> None:
@@ -421,17 +273,3 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(fn, items)
             except RuntimeError:  # the loop has closed: nobody is listening any more
                 pass
-
-    # -- on the event loop ------------------------------------------------------------------------
-
-    def _deliver(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
-        for stream, out in items:
-            stream._put(out)
-            if out.finished:
-                self._forget(stream.request_id)
-
-    def _deliver_error(self, items: list[tuple[RequestStream, BaseException]]) -> None:
-        for stream, error in items:
-            stream._fail(error)
-            self._forget(stream.request_id)
-

@@ -179,6 +179,26 @@ class LLMEngine:
         """Validate and build the Request(s) of one prompt (n of them for ``params.n > 1``)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
+        text, ids, max_tokens = self.validate(prompt, params)
+        grammar = self.grammars.prepare(params)  # compiled here unless attached by prepare_structured_output
+        params = replace(params, _eos_token_ids=self.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        out = []
+        for i in range(params.n):
+            # Samples share the seed; the sampler keys each one's random stream by its index.
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            # Each sample follows the grammar with its own matcher.
+            matcher = (StructuredOutputRequest(grammar, params.structured_outputs.start_after_token_ids)
+                       if grammar is not None else None)
+            out.append(Request(rid, ids, params, max_tokens, arrival_time=arrival, priority=priority,
+                               tenant=tenant, prompt=text, parent_id=request_id, index=i,
+                               structured_output=matcher))
+        return out
+
+    def validate(self, prompt: str | list[int] | dict, params: SamplingParams) -> tuple[str | None, list[int], int]:
+        """The prompt's text, its token ids and the request's max_tokens, or InvalidRequestError.
+        Reads only what never changes after start-up (the API process runs it too, on a frontend
+        that has the tokenizer and the KV cache's size but no model)."""
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
@@ -206,20 +226,7 @@ class LLMEngine:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        grammar = self.grammars.prepare(params)  # compiled here unless attached by prepare_structured_output
-        params = replace(params, _eos_token_ids=self.eos_token_ids)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        out = []
-        for i in range(params.n):
-            # Samples share the seed; the sampler keys each one's random stream by its index.
-            rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            # Each sample follows the grammar with its own matcher.
-            matcher = (StructuredOutputRequest(grammar, params.structured_outputs.start_after_token_ids)
-                       if grammar is not None else None)
-            out.append(Request(rid, ids, params, max_tokens, arrival_time=arrival, priority=priority,
-                               tenant=tenant, prompt=text, parent_id=request_id, index=i,
-                               structured_output=matcher))
-        return out
+        return text, ids, max_tokens
 
     def prepare_structured_output(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its grammar compiled and attached, so that ``make_requests`` does not

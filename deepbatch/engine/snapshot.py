@@ -77,3 +77,25 @@ def take_snapshot(engine, previous: EngineSnapshot, refresh: bool = False) -> En
 def waiting_tokens(engine) -> int:
     """Prompt tokens (and recomputed output) the waiting requests still have to prefill."""
     return sum(r.num_tokens - r.num_computed_tokens for r in getattr(engine.scheduler, "waiting", ()))
+
+
+def cache_config_info(llm_engine) -> dict[str, str] | None:
+    """The labels of ``vllm:cache_config_info``: the KV cache's settings, with vLLM's label names
+    and ``str()`` values, and the block counts found at start-up. None for an engine without an
+    ``EngineConfig``."""
+    config = getattr(llm_engine, "config", None)
+    if config is None:
+        return None
+    cache = config.cache
+    host_pool = llm_engine.scheduler.preemptor.host_pool
+    info = {
+        "block_size": cache.block_size,
+        "cache_dtype": cache.kv_cache_dtype,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "num_gpu_blocks": llm_engine.num_blocks,
+        "num_gpu_blocks_override": cache.num_gpu_blocks_override,
+        "num_cpu_blocks": host_pool.num_blocks if host_pool is not None else 0,
+        "swap_space": cache.swap_space,
+    }
+    return {name: str(value) for name, value in info.items()}

@@ -1,0 +1,139 @@
+"""The messages between the API process and the engine core process (``core_process.py``).
+
+    API process (EngineCoreClient)                       engine core process (EngineCore)
+    ------------------------------                       --------------------------------
+    AddRequest / Abort / Shutdown  -- PUSH ---- PULL ->  input thread -> inbox -> busy loop
+    asyncio reader                 <- PULL ---- PUSH --  Ready (once), StepOutputs (one per
+                                                         engine iteration), Dead (once)
+
+Everything on the hot path is a ``msgspec`` struct encoded as MessagePack: an ``AddRequest``
+carries token ids (the API process tokenizes), and a ``StepOutputs`` carries, for every request
+that made progress in one engine iteration, only what is new since the previous message (token
+ids, text, logprobs past an offset), never the whole output again and never a tensor. The
+engine's counters (``EngineSnapshot``) ride along at most ten times a second, pickled: they are
+small, off the per-token path, and their classes belong to the engine.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deepbatch.core.sampling_params import SamplingParams
+
+# -- API process -> engine core ---------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """One prompt of an API call, already tokenized and validated (the core checks it again)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    priority: int
+    tenant: str
+    arrival_time: float  # time.monotonic(): one clock for every process on the host
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Stop after the step in progress; every request still held ends with an error."""
+
+
+ClientMessage = AddRequest | Abort | Shutdown
+
+# -- engine core -> API process -----------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """Sent once the model, the KV cache and the CUDA graphs are set up."""
+
+    pid: int
+    num_blocks: int
+    cache_info: dict[str, str] | None  # the labels of vllm:cache_config_info
+    snapshot: bytes  # a pickled EngineSnapshot
+
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    """What is new in one sample's output: ``text`` replaces the output text from character
+    ``text_offset`` on (a stop string can take back text held so far), ``token_ids`` and
+    ``logprobs`` extend the lists from their offsets."""
+
+    index: int
+    text_offset: int
+    text: str
+    token_offset: int
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs_offset: int = 0
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+class OutputDelta(msgspec.Struct, array_like=True):
+    """One parent request's progress in one engine iteration."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    num_cached_tokens: int
+    error: str | None
+    error_code: str | None
+    # RequestMetrics: arrival, first scheduled, first token, finished, preemptions.
+    metrics: tuple[float, float | None, float | None, float | None, int] | None
+    # Prompt logprobs past ``prompt_logprobs_offset``: None entries, or {token: (logprob, rank)}.
+    prompt_logprobs_offset: int = 0
+    prompt_logprobs: list[dict[int, tuple[float, int | None]] | None] | None = None
+    # The core refused the request before queueing it: (kind, param, message, code), kind
+    # "invalid" (an InvalidRequestError) or "error" (anything else).
+    refusal: tuple[str, str | None, str, str] | None = None
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One engine iteration: the outputs, and the waiting queue as the iteration left it (the API
+    process checks its queue bounds against it)."""
+
+    outputs: list[OutputDelta]
+    num_waiting: int
+    num_waiting_tokens: int
+    applied_seqs: int  # sequences and prompt tokens of every AddRequest applied so far
+    applied_tokens: int
+    # For the queue's drain rate (QueueBounds.observe): the iteration's span, whether requests
+    # waited when it began, and the waiting (sequences, tokens) around its step.
+    start: float
+    end: float
+    backlog: bool
+    waiting_before: tuple[int, int]
+    waiting_after: tuple[int, int]
+    snapshot: bytes | None = None  # a pickled EngineSnapshot, at most every SNAPSHOT_INTERVAL_S
+
+
+class Dead(msgspec.Struct, tag=True, array_like=True):
+    """The engine failed (a model step raised, a rank died) or was stopped; the core exits."""
+
+    message: str
+    stopped: bool = False  # shut down on request, not failed
+
+
+CoreMessage = Ready | StepOutputs | Dead
+
+SNAPSHOT_INTERVAL_S = 0.1
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_core_decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+
+def encode(message: ClientMessage | CoreMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_client_message(data: bytes) -> ClientMessage:
+    return _client_decoder.decode(data)
+
+
+def decode_core_message(data: bytes) -> CoreMessage:
+    return _core_decoder.decode(data)

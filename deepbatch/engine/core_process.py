@@ -1,0 +1,333 @@
+"""The engine core in a process of its own: a busy loop that steps the model and never waits on
+HTTP, JSON or SSE framing, which stay in the API process (``core_client.py``).
+
+    input thread                              busy loop (main thread, the only caller of LLMEngine)
+    ------------                              -----------------------------------------------------
+    PULL socket -> decode -> make_requests    loop: take the inbox (adds, aborts)
+      (re-validation, grammar compile)              step() -> outputs
+      -> inbox                                      one StepOutputs message: what is new per request
+    parent gone? -> Shutdown into the inbox         (idle: block on the inbox)
+
+The input thread does the per-request work that needs no scheduler state (decoding, the
+request's checks, compiling its grammar), so the loop only appends ready ``Request`` objects to
+the scheduler between steps. One message leaves per engine iteration, whatever the number of
+requests and tokens in it.
+
+The core exits when the API process asks (``Shutdown``), when the API process is gone (its pid
+is no longer our parent: a killed server leaves no engine holding the GPU), and when a step
+fails (after sending ``Dead``). SIGINT and SIGTERM are ignored: the API process drains first and
+then asks the core to stop, so a signal sent to the whole process group does not cut the drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from deepbatch.config import EngineConfig
+from deepbatch.core.errors import InvalidRequestError
+from deepbatch.core.outputs import RequestOutput
+from deepbatch.core.request import Request
+from deepbatch.engine.core_messages import (
+    SNAPSHOT_INTERVAL_S, Abort, AddRequest, CompletionDelta, Dead, OutputDelta, Ready, Shutdown, StepOutputs,
+    decode_client_message, encode,
+)
+from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
+
+logger = logging.getLogger("deepbatch.engine_core")
+
+# How often the input thread checks that the API process is still there.
+_PARENT_POLL_MS = 200
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ZMQ endpoints: the core PULLs ``inputs`` and PUSHes ``outputs``; the API process binds both."""
+
+    inputs: str
+    outputs: str
+
+
+@dataclass
+class _Added:
+    requests: list[Request]
+
+
+@dataclass
+class _Refused:
+    request_id: str
+    error: BaseException
+
+
+class _Stop(Exception):
+    pass
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject_step: int | None = None,
+                    parent_pid: int | None = None) -> None:
+    """Process entry point: build the engine, say ``Ready``, serve until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _set_process_title("deepbatch::EngineCore")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    parent_pid = parent_pid or os.getppid()
+    ctx = zmq.Context()
+    outputs = ctx.socket(zmq.PUSH)
+    # No high-water mark: a busy API process must never stall the engine's loop on a send.
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(addresses.outputs)
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.setsockopt(zmq.LINGER, 0)
+    inputs.connect(addresses.inputs)
+    engine = None
+    try:
+        import torch
+
+        from deepbatch.engine.llm_engine import LLMEngine
+
+        torch.manual_seed(config.model.seed)
+        engine = LLMEngine(config)
+        core = EngineCore(engine, outputs, fault_inject_step)
+        outputs.send(encode(core.ready()))
+        threading.Thread(target=core.read_inputs, args=(inputs, parent_pid), name="deepbatch-core-input",
+                         daemon=True).start()
+        core.run()
+    except BaseException as e:  # noqa: BLE001 - the API process must hear why; then exit non-zero
+        logger.error("the engine core failed", exc_info=e)
+        message = f"the engine stopped after an error in a model step: {type(e).__name__}: {e}"[:1000]
+        _send_quietly(outputs, Dead(message))
+        _stop_engine(engine)
+        outputs.close()
+        os._exit(1)  # the input thread may sit in a socket call; nothing else needs to run
+    _stop_engine(engine)
+    _send_quietly(outputs, Dead("the engine was shut down", stopped=True))
+    outputs.close()
+    inputs.close()
+    ctx.term()
+
+
+def _stop_engine(engine) -> None:
+    """Stop the tensor-parallel workers, if any."""
+    if engine is None:
+        return
+    try:
+        engine.shutdown()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        logger.exception("stopping the engine failed")
+
+
+def _send_quietly(socket, message) -> None:
+    try:
+        socket.send(encode(message), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def _set_process_title(title: str) -> None:
+    try:
+        import setproctitle
+    except ImportError:  # a nicety for ``ps``; never a reason to fail
+        return
+    setproctitle.setproctitle(title)
+
+
+class EngineCore:
+    def __init__(self, engine, outputs, fault_inject_step: int | None = None):
+        self.engine = engine
+        self.outputs = outputs
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._fault_inject_step = fault_inject_step
+        self._num_step_calls = 0
+        self._sent: dict[str, _SentSoFar] = {}  # parent id -> how much of its output was sent
+        self._applied_seqs = 0
+        self._applied_tokens = 0
+        self._snapshot = EngineSnapshot()
+        self._snapshot_time = 0.0
+        engine.add_fault_listener(self.on_fault)
+
+    def ready(self) -> Ready:
+        self._snapshot = take_snapshot(self.engine, self._snapshot, refresh=True)
+        return Ready(os.getpid(), self.engine.num_blocks, cache_config_info(self.engine), pickle.dumps(self._snapshot))
+
+    # -- the input thread -------------------------------------------------------------------------
+
+    def read_inputs(self, socket, parent_pid: int) -> None:
+        engine = self.engine
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        while True:
+            if not poller.poll(_PARENT_POLL_MS):
+                if os.getppid() != parent_pid:
+                    logger.error("the API process (pid %d) is gone; stopping the engine core", parent_pid)
+                    self.inbox.put(Shutdown())
+                    return
+                continue
+            message = decode_client_message(socket.recv())
+            if isinstance(message, AddRequest):
+                prompt = {"prompt_token_ids": message.prompt_token_ids, "prompt": message.prompt}
+                try:
+                    requests = engine.make_requests(message.request_id, prompt, message.params, message.priority,
+                                                    message.tenant, message.arrival_time)
+                except Exception as e:  # noqa: BLE001 - refused requests are answered, never fatal
+                    self.inbox.put(_Refused(message.request_id, e))
+                    continue
+                self.inbox.put(_Added(requests))
+            else:
+                self.inbox.put(message)
+                if isinstance(message, Shutdown):
+                    return
+
+    # -- the busy loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step while there is work, block on the inbox while there is none; returns on
+        ``Shutdown``, raises when a step (or a rank) fails."""
+        engine = self.engine
+        has_work = False
+        busy_since: float | None = None  # the end of the last iteration, while work carries over
+        wait: float | None = None
+        while True:
+            commands = self._take_inbox(None if not has_work else wait)
+            start = time.monotonic() if busy_since is None else busy_since
+            backlog = engine.scheduler.num_waiting > 0  # as of the last step, before this inbox
+            try:
+                deltas = self._apply(commands)
+            except _Stop:
+                return
+            waiting_before = (engine.scheduler.num_waiting, waiting_tokens(engine))
+            idle = False
+            if engine.has_unfinished_requests():
+                self._num_step_calls += 1
+                if self._num_step_calls == self._fault_inject_step:
+                    raise RuntimeError(f"injected fault at engine step {self._num_step_calls}")
+                steps_before = engine.stats.num_steps
+                outs = engine.step()
+                idle = engine.stats.num_steps == steps_before and not outs
+                deltas.extend(self._delta(o) for o in outs)
+            has_work = engine.has_unfinished_requests()
+            end = time.monotonic()
+            waiting_after = (engine.scheduler.num_waiting, waiting_tokens(engine))
+            snapshot = None
+            if not has_work or end - self._snapshot_time >= SNAPSHOT_INTERVAL_S:
+                # An engine going idle sends no later snapshot, so its last one must be current.
+                self._snapshot = take_snapshot(engine, self._snapshot, refresh=not has_work)
+                self._snapshot_time = end
+                snapshot = pickle.dumps(self._snapshot)
+            self.outputs.send(encode(StepOutputs(
+                deltas, waiting_after[0], waiting_after[1], self._applied_seqs, self._applied_tokens,
+                start, end, backlog, waiting_before, waiting_after, snapshot)), copy=False)
+            busy_since = end if has_work else None
+            # Nothing could be scheduled (waiting on KV blocks that no step will free): wait a
+            # little for the next command instead of spinning.
+            wait = 0.01 if idle else 0.0
+
+    def _take_inbox(self, timeout: float | None) -> list:
+        """Everything in the inbox; first waits up to ``timeout`` seconds for one item (None:
+        for as long as it takes)."""
+        items = []
+        if timeout is None or timeout > 0:
+            try:
+                items.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return items
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def on_fault(self) -> None:
+        """A tensor-parallel rank failed between steps (any thread): wake the loop to raise it."""
+        self.inbox.put(_HealthCheck())
+
+    def _apply(self, commands: list) -> list[OutputDelta]:
+        engine = self.engine
+        deltas: list[OutputDelta] = []
+        for cmd in commands:
+            if isinstance(cmd, _Added):
+                requests = cmd.requests
+                self._applied_seqs += len(requests)
+                self._applied_tokens += len(requests[0].prompt_token_ids) * len(requests)
+                try:
+                    engine.enqueue(requests)
+                except Exception as e:  # noqa: BLE001 - one request that cannot be queued ends alone
+                    logger.exception("request %s could not be queued", requests[0].parent_id)
+                    engine.abort_request(requests[0].parent_id)
+                    deltas.append(_refusal(requests[0].parent_id, e))
+            elif isinstance(cmd, _Refused):
+                deltas.append(_refusal(cmd.request_id, cmd.error))
+            elif isinstance(cmd, Abort):
+                for request_id in cmd.request_ids:
+                    out = engine.abort_request(request_id)
+                    if out is not None:
+                        deltas.append(self._delta(out))
+            elif isinstance(cmd, _HealthCheck):
+                engine.check_health()  # raises: the core dies
+            elif isinstance(cmd, Shutdown):
+                raise _Stop
+        return deltas
+
+    def _delta(self, out: RequestOutput) -> OutputDelta:
+        """``out`` less what earlier messages carried of it."""
+        sent = self._sent.get(out.request_id)
+        if sent is None:
+            sent = self._sent[out.request_id] = _SentSoFar()
+        completions = []
+        for c in out.outputs:
+            text_len, num_tokens, num_logprobs = sent.completions.get(c.index, (0, 0, 0))
+            # A stop string can take back text held so far: resend from the common prefix.
+            text_offset = min(text_len, len(c.text))
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = c.logprobs[num_logprobs:]
+                num_logprobs = len(c.logprobs)
+            completions.append(CompletionDelta(
+                c.index, text_offset, c.text[text_offset:], num_tokens, c.token_ids[num_tokens:], c.finish_reason,
+                c.stop_reason, sent.completions.get(c.index, (0, 0, 0))[2], logprobs))
+            sent.completions[c.index] = (len(c.text), len(c.token_ids), num_logprobs)
+        prompt_logprobs = None
+        prompt_offset = sent.num_prompt_logprobs
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None if entry is None else {t: (lp.logprob, lp.rank) for t, lp in entry.items()}
+                               for entry in out.prompt_logprobs[prompt_offset:]]
+            sent.num_prompt_logprobs = len(out.prompt_logprobs)
+        m = out.metrics
+        metrics = (None if m is None else
+                   (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions))
+        if out.finished:
+            del self._sent[out.request_id]
+        return OutputDelta(out.request_id, completions, out.finished, out.num_cached_tokens, out.error,
+                           out.error_code, metrics, prompt_offset, prompt_logprobs)
+
+
+@dataclass
+class _SentSoFar:
+    completions: dict[int, tuple[int, int, int]]  # index -> (text chars, token ids, logprobs)
+    num_prompt_logprobs: int = 0
+
+    def __init__(self) -> None:
+        self.completions = {}
+        self.num_prompt_logprobs = 0
+
+
+class _HealthCheck:
+    """The loop was idle and a rank reported a failure: raise it on the loop."""
+
+
+def _refusal(request_id: str, error: BaseException) -> OutputDelta:
+    if isinstance(error, InvalidRequestError):
+        refusal = ("invalid", error.param, str(error), error.code)
+    else:
+        refusal = ("error", None, f"{type(error).__name__}: {error}"[:1000], "internal_error")
+    return OutputDelta(request_id, [], True, 0, None, None, None, refusal=refusal)
