@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=text)
         module.add_arguments(p)
         p.set_defaults(func=lambda a, m=module: (m.run(a), 0)[1])
+    # Its engine flags go to two engines (offline and the server) as written, so main() hands it
+    # the raw arguments; this entry is for the help listing.
+    from deepbatch.bench import serve_offline as bench_serve_offline
+
+    compare = bench_sub.add_parser("serve-vs-offline", help="the same requests offline and through a server")
+    bench_serve_offline.add_arguments(compare)
 
     doctor = sub.add_parser("doctor", help="GPUs, memory, cgroup limits and the KV capacity of these settings")
     add_engine_args(doctor, positional_model=True)
@@ -201,6 +207,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve-vs-offline"]:
+        from deepbatch.bench import serve_offline
+
+        serve_offline.main(argv[2:])
+        return
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)

@@ -38,11 +38,10 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-input-len", type=int, default=1000)
     p.add_argument("--random-output-len", type=int, default=250)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload-seed", type=int, default=0, help="the prompts' seed")
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
                    "(default: the model's vocabulary)")
     p.add_argument("--variants", default="process", help="comma-separated: process, thread")
-    p.add_argument("--api-server-count", type=int, default=None, help="passed to the server when set")
     p.add_argument("--num-client-processes", type=int, default=4)
     p.add_argument("--single-stream", type=int, default=0, metavar="N")
     p.add_argument("--port", type=int, default=8199)
@@ -79,7 +78,7 @@ def _load_args(bench: argparse.Namespace, vocab_size: int, base_url: str = "http
     argv = ["--base-url", base_url, "--workload", "random", "--num-prompts", str(num_prompts or bench.num_prompts),
             "--request-rate", "inf", "--random-input-len", str(bench.random_input_len),
             "--random-output-len", str(bench.random_output_len), "--random-range-ratio", str(bench.random_range_ratio),
-            "--seed", str(bench.seed), "--vocab-size", str(vocab_size), "--prompt-type", "ids",
+            "--seed", str(bench.workload_seed), "--vocab-size", str(vocab_size), "--prompt-type", "ids",
             "--timeout", str(bench.timeout), "--disable-tqdm", "--no-plots"]
     if single:
         argv += ["--max-concurrency", "1"]
@@ -139,8 +138,6 @@ def _get(url: str) -> int:
 def _start_server(engine_argv: list[str], bench: argparse.Namespace, variant: str, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deepbatch.cli", "serve", *engine_argv, "--host", "127.0.0.1",
            "--port", str(bench.port), "--max-queued-requests", "0"]
-    if bench.api_server_count:
-        cmd += ["--api-server-count", str(bench.api_server_count)]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_VARIANT_ENV[variant]})
     deadline = time.monotonic() + 900

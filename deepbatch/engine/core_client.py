@@ -42,7 +42,7 @@ from deepbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from deepbatch.engine.core_messages import (
     Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode,
 )
-from deepbatch.engine.core_process import CoreAddresses, run_engine_core
+from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
 from deepbatch.engine.engine_client import EngineClient, _Add
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.engine.snapshot import EngineSnapshot
@@ -111,6 +111,7 @@ class EngineCoreClient(EngineClient):
         self.process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
                                   args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
         self.process.start()
+        set_process_title("deepbatch::APIServer")
         # multiprocessing joins a non-daemon child at exit (the core cannot be a daemon: it starts
         # the tensor-parallel workers); an API process that exits without a shutdown stops it first.
         atexit.register(self._reap)

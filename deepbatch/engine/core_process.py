@@ -76,7 +76,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
     """Process entry point: build the engine, say ``Ready``, serve until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _set_process_title("deepbatch::EngineCore")
+    set_process_title("deepbatch::EngineCore")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     parent_pid = parent_pid or os.getppid()
@@ -134,7 +134,8 @@ def _send_quietly(socket, message) -> None:
         pass
 
 
-def _set_process_title(title: str) -> None:
+def set_process_title(title: str) -> None:
+    """The name ``ps`` shows (``deepbatch::EngineCore``, ``deepbatch::APIServer``)."""
     try:
         import setproctitle
     except ImportError:  # a nicety for ``ps``; never a reason to fail

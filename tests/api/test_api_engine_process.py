@@ -89,6 +89,7 @@ def test_a_killed_engine_core_fails_open_requests_and_the_server_exits_nonzero()
 
 def test_a_killed_server_takes_its_engine_core_with_it():
     server = get_server("server-killed")
+    assert Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().startswith(b"deepbatch::APIServer")
     core = engine_core_pid(server.proc.pid)
     server.proc.kill()
     server.proc.wait(10)
