@@ -241,3 +241,41 @@ class BackgroundStream:
     def text_and_reason(self):
         chunks = [e for e in self.events if isinstance(e, dict) and e.get("choices")]
         return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+
+# -- the engine core process of a server ------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def engine_core_pid(server_pid: int) -> int:
+    cores = [pid for pid in children(server_pid)
+             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"deepbatch::EngineCore")]
+    assert len(cores) == 1, f"one process titled deepbatch::EngineCore under {server_pid}, found {cores}"
+    return cores[0]
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} still alive after {timeout} s"
+        time.sleep(0.1)

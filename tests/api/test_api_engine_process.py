@@ -4,8 +4,9 @@ with its server in either order, and a client that goes away frees its KV blocks
 - the core is killed (SIGKILL): every open stream ends with an error event and [DONE], a request
   in flight gets a 500 with the OpenAI error body, /health answers 503 "dead", and the server
   exits non-zero within 10 s;
-- the server is killed (SIGKILL): the core exits on its own within 10 s;
-- SIGTERM (test_api_lifecycle.py drains; here: nothing is left behind once the server exits).
+- the server is killed (SIGKILL): the core exits on its own within 10 s.
+
+SIGTERM drains across both processes and leaves neither behind: test_api_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -16,45 +17,10 @@ import signal
 import time
 from pathlib import Path
 
-from apitest_server import MODEL, BackgroundStream, assert_error, get_server
+from apitest_server import MODEL, BackgroundStream, assert_error, engine_core_pid, get_server, wait_gone
 
 _ARGS = ["--num-gpu-blocks-override", "256"]
-SERVERS = {"core-killed": dict(args=_ARGS), "server-killed": dict(args=_ARGS), "terminated": dict(args=_ARGS)}
-
-
-def children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def engine_core_pid(server_pid: int) -> int:
-    cores = [pid for pid in children(server_pid)
-             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"deepbatch::EngineCore")]
-    assert len(cores) == 1, f"one process titled deepbatch::EngineCore under {server_pid}, found {cores}"
-    return cores[0]
-
-
-def wait_gone(pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        assert time.monotonic() < deadline, f"process {pid} still alive after {timeout} s"
-        time.sleep(0.1)
+SERVERS = {"core-killed": dict(args=_ARGS), "server-killed": dict(args=_ARGS)}
 
 
 def body(max_tokens: int, stream: bool) -> dict:
@@ -94,14 +60,3 @@ def test_a_killed_server_takes_its_engine_core_with_it():
     server.proc.kill()
     server.proc.wait(10)
     wait_gone(core, 10)
-
-
-def test_sigterm_leaves_no_process_behind():
-    server = get_server("terminated")
-    core = engine_core_pid(server.proc.pid)
-    with server.http() as client:
-        assert client.post("/v1/completions", json=body(4, False)).status_code == 200
-    server.terminate()
-    assert server.proc.wait(60) == 0, server.log_tail()
-    wait_gone(core, 10)
-    assert "ERROR" not in server.log_tail(500_000)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from apitest_server import BackgroundStream, MODEL, assert_error, get_server
+from apitest_server import BackgroundStream, MODEL, assert_error, engine_core_pid, get_server, wait_gone
 
 SERVERS = {
     # Two seats and a two-deep waiting queue, so the queue fills with four requests.
@@ -55,6 +55,7 @@ def test_queue_full_is_429():
 
 def test_sigterm_lets_in_flight_requests_finish():
     server = get_server("drain30")
+    core = engine_core_pid(server.proc.pid)
 
     async def run():
         async with server.async_http(timeout=120) as client:
@@ -76,6 +77,7 @@ def test_sigterm_lets_in_flight_requests_finish():
 
     asyncio.run(run())
     assert server.proc.wait(60) == 0, server.log_tail()
+    wait_gone(core, 10)  # the engine core process went with it
     log = server.log_tail(500_000)
     for sign in ("ERROR", "Traceback", "terminate called", "Exception"):
         assert sign not in log, log[-4000:]
