@@ -109,7 +109,7 @@ class ModelConfig:
     random_weights: bool = arg(False, "build the model with seeded random weights instead of loading them "
                                       "(benchmarks; a bare config.json always does)")
     tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
-    cache_dir: str | None = internal(None, "where the config and tokenizer converted from a GGUF file are cached "
+    cache_dir: str | None = internal(None, "where the config, tokenizer and dequantized weights of a GGUF file are cached "
                                            "(None: no cache)", env="DEEPBATCH_CACHE_DIR")
     quantization: str | None = arg(
         None, "weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; a quantized "

@@ -367,6 +367,17 @@ class ControllerReport(Mapping):
     def as_dict(self) -> dict:
         return self._get()
 
+    def __reduce__(self):
+        # Pickled with the engine's snapshot for the API process (engine/core_process.py): it
+        # travels as the built dict.
+        return _report_of, (self.as_dict(),)
+
+
+def _report_of(data: dict) -> ControllerReport:
+    report = ControllerReport(dict)
+    report._data = data
+    return report
+
 
 def make_controller(scheduler) -> SLOController | None:
     """The controller the scheduler's config asks for: None without an SLO target."""

@@ -64,9 +64,9 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def gguf_cache_dir(source: ModelSource, cache_root: str | None) -> str | None:
-    """Where the config and tokenizer converted from a GGUF file are kept, keyed by the file's
-    identity and the transformers version (converting them parses the whole file, which costs
-    more than loading the weights)."""
+    """Where the config, tokenizer and dequantized weights converted from a GGUF file are kept,
+    keyed by the file's identity and the transformers version (converting parses or dequantizes
+    the whole file; reading the converted copies takes a second)."""
     if cache_root is None or source.kind != "gguf":
         return None
     import hashlib
@@ -183,9 +183,11 @@ def build_model(config: ModelConfig, source: ModelSource, hf_config, device: str
         _init_random(model, config.seed)
     else:
         if source.kind == "gguf":
-            from deepbatch.models.gguf_loader import GGUFWeights
+            from deepbatch.models.gguf_loader import CachedGGUFWeights, GGUFWeights
 
-            weights = GGUFWeights(source.path, hf_config)
+            cache = gguf_cache_dir(source, config.cache_dir)
+            weights = (GGUFWeights(source.path, hf_config) if cache is None
+                       else CachedGGUFWeights(source.path, hf_config, cache))
             total = len(weights)
         else:
             weights, total = iter_safetensors(source.path), None

@@ -187,3 +187,13 @@ def test_infeasible_targets_do_not_collapse_throughput():
     assert not any(p["meets"] for p in controller.report["frontier"])
     assert res.throughput() >= 0.95 * default.throughput()
     assert p99(res.ttfts(SETTLE)) <= 2 * p99(default.ttfts(SETTLE)) + 0.05
+
+
+def test_the_report_crosses_to_the_api_process_as_its_values(loaded):
+    # The engine core pickles its snapshot, report included, for the API process.
+    import pickle
+
+    report = loaded[2].report
+    copy = pickle.loads(pickle.dumps(report))
+    assert copy.as_dict() == report.as_dict() and dict(copy) == dict(report)
+    assert copy["frontier"] and copy["num_steps"] == report["num_steps"] > 0
