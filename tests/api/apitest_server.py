@@ -146,6 +146,18 @@ class ServerProcess(BackgroundProcess):
         self.proc.send_signal(signal.SIGTERM)
 
 
+def warm_default_model_cache() -> None:
+    """Dequantize the embedded SmolLM2's GGUF weights into this run's cache directory (once), so
+    every engine and server started afterwards reads them instead (a few seconds, not twenty)."""
+    from deepbatch.models.gguf_loader import warm_weight_cache
+    from deepbatch.models.loader import gguf_cache_dir, load_hf_config, resolve_model
+
+    root = os.environ["DEEPBATCH_CACHE_DIR"]
+    source = resolve_model(None)
+    warm_weight_cache(source.path, load_hf_config(source, root), gguf_cache_dir(source, root))
+
+
+
 # -- processes shared by the selected test modules (see conftest.py) -------------------------------
 
 _servers: dict[str, ServerProcess] = {}

@@ -7,7 +7,8 @@ A test module declares what it needs at module level:
 
 When the first test of tests/api runs, every process that the selected modules declare starts at
 once, so their model loads overlap; each module then waits only for its own (``get_server``).
-Modules that use the same name share the process.
+Modules that use the same name share the process. The embedded model's weights are dequantized
+into the run's cache directory first, once, so no server spends its start dequantizing them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from apitest_server import launch_for_modules, stop_all
+from apitest_server import launch_for_modules, stop_all, warm_default_model_cache
 
 _HERE = Path(__file__).resolve().parent
 
@@ -24,6 +25,7 @@ _HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="session", autouse=True)
 def _api_processes(request):
     items = request.session.items
+    warm_default_model_cache()
     launch_for_modules({i.module for i in items if i.module is not None and Path(i.path).resolve().parent == _HERE})
     yield
     stop_all(keep_logs=request.session.testsfailed > 0)
