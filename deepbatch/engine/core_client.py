@@ -125,7 +125,7 @@ class EngineCoreClient(EngineClient):
         self._sent_seqs = self._sent_tokens = 0  # of every AddRequest sent
         self._applied_seqs = self._applied_tokens = 0  # of those, applied by the core (its last message)
         self._num_waiting = self._num_waiting_tokens = 0
-        self._outputs: dict[str, RequestOutput] = {}  # parent id -> cumulative output so far
+        self._assembler = OutputAssembler()
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False  # shutdown asked for: the core's exit is no death
@@ -219,7 +219,7 @@ class EngineCoreClient(EngineClient):
             self._dead = error
             self._run_dead_callbacks(error)
         self._deliver_error([(stream, self._dead or error) for stream in list(self._streams.values())])
-        self._outputs.clear()
+        self._assembler.clear()
 
     # -- requests -------------------------------------------------------------------------------------
 
@@ -232,8 +232,7 @@ class EngineCoreClient(EngineClient):
         for add in adds:
             ids, text = add.prompt["prompt_token_ids"], add.prompt["prompt"]
             self._send(AddRequest(add.request_id, ids, text, add.params, add.priority, add.tenant, add.arrival_time))
-            # What the core's deltas are applied to (they carry no prompt).
-            self._outputs[add.request_id] = RequestOutput(add.request_id, text, ids, tenant=add.tenant)
+            self._assembler.add(add.request_id, text, ids, add.tenant)
         self._sent_seqs += num_seqs
         self._sent_tokens += num_tokens
 
@@ -276,11 +275,11 @@ class EngineCoreClient(EngineClient):
         for delta in message.outputs:
             stream = self._streams.get(delta.request_id)
             if delta.refusal is not None:
-                self._outputs.pop(delta.request_id, None)
+                self._assembler.drop(delta.request_id)
                 if stream is not None:
                     errors.append((stream, _refusal_error(delta.refusal)))
                 continue
-            out = self._apply_delta(delta)
+            out = self._assembler.apply(delta)
             outputs.append(out)
             if stream is not None:
                 pairs.append((stream, out))
@@ -289,7 +288,23 @@ class EngineCoreClient(EngineClient):
         self._deliver(pairs)
         self._deliver_error(errors)
 
-    def _apply_delta(self, delta: OutputDelta) -> RequestOutput:
+class OutputAssembler:
+    """Each request's cumulative ``RequestOutput``, rebuilt from the core's deltas."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, RequestOutput] = {}  # parent id -> its output so far
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tenant: str) -> None:
+        """A request sent to the core: what its deltas are applied to (they carry no prompt)."""
+        self._outputs[request_id] = RequestOutput(request_id, prompt, prompt_token_ids, tenant=tenant)
+
+    def drop(self, request_id: str) -> None:
+        self._outputs.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._outputs.clear()
+
+    def apply(self, delta: OutputDelta) -> RequestOutput:
         """The request's cumulative output with ``delta`` applied (a new object each time: a
         stream holds the newest output and a reader may still be looking at the previous one)."""
         previous = self._outputs.get(delta.request_id)

@@ -65,6 +65,8 @@ class _Added:
 class _Refused:
     request_id: str
     error: BaseException
+    num_seqs: int  # what the API process counted as on its way to the queue
+    num_tokens: int
 
 
 class _Stop(Exception):
@@ -174,14 +176,19 @@ class EngineCore:
                     self.inbox.put(Shutdown())
                     return
                 continue
-            message = decode_client_message(socket.recv())
+            try:
+                message = decode_client_message(socket.recv())
+            except Exception:  # noqa: BLE001 - a message we cannot read is dropped, never fatal
+                logger.exception("dropped an unreadable message from the API process")
+                continue
             if isinstance(message, AddRequest):
                 prompt = {"prompt_token_ids": message.prompt_token_ids, "prompt": message.prompt}
                 try:
                     requests = engine.make_requests(message.request_id, prompt, message.params, message.priority,
                                                     message.tenant, message.arrival_time)
                 except Exception as e:  # noqa: BLE001 - refused requests are answered, never fatal
-                    self.inbox.put(_Refused(message.request_id, e))
+                    n = message.params.n
+                    self.inbox.put(_Refused(message.request_id, e, n, n * len(message.prompt_token_ids)))
                     continue
                 self.inbox.put(_Added(requests))
             else:
@@ -267,6 +274,8 @@ class EngineCore:
                     engine.abort_request(requests[0].parent_id)
                     deltas.append(_refusal(requests[0].parent_id, e))
             elif isinstance(cmd, _Refused):
+                self._applied_seqs += cmd.num_seqs
+                self._applied_tokens += cmd.num_tokens
                 deltas.append(_refusal(cmd.request_id, cmd.error))
             elif isinstance(cmd, Abort):
                 for request_id in cmd.request_ids:
