@@ -4,7 +4,8 @@ with its server in either order, and a client that goes away frees its KV blocks
 - the core is killed (SIGKILL): every open stream ends with an error event and [DONE], a request
   in flight gets a 500 with the OpenAI error body, /health answers 503 "dead", and the server
   exits non-zero within 10 s;
-- the server is killed (SIGKILL): the core exits on its own within 10 s.
+- the server is killed (SIGKILL): the core exits on its own within 10 s, and with tensor
+  parallelism its worker processes with it.
 
 SIGTERM drains across both processes and leaves neither behind: test_api_lifecycle.py.
 """
@@ -17,10 +18,13 @@ import signal
 import time
 from pathlib import Path
 
-from apitest_server import MODEL, BackgroundStream, assert_error, engine_core_pid, get_server, wait_gone
+from apitest_server import MODEL, BackgroundStream, assert_error, children, engine_core_pid, get_server, wait_gone
 
 _ARGS = ["--num-gpu-blocks-override", "256"]
-SERVERS = {"core-killed": dict(args=_ARGS), "server-killed": dict(args=_ARGS)}
+# Two ranks on the CPU (gloo) with a tiny random model: the core is rank 0, the worker its child.
+_TINY = str(Path(__file__).resolve().parents[1] / "bench" / "tiny-qwen3.json")
+_TP2 = [_TINY, "--random-weights", "--tensor-parallel-size", "2", "--device", "cpu", "--num-gpu-blocks-override", "64"]
+SERVERS = {"core-killed": dict(args=_ARGS), "server-killed": dict(args=_ARGS), "tp2-killed": dict(args=_TP2)}
 
 
 def body(max_tokens: int, stream: bool) -> dict:
@@ -60,3 +64,19 @@ def test_a_killed_server_takes_its_engine_core_with_it():
     server.proc.kill()
     server.proc.wait(10)
     wait_gone(core, 10)
+
+
+def test_a_tensor_parallel_core_serves_and_its_workers_go_with_a_killed_server():
+    server = get_server("tp2-killed")
+    core = engine_core_pid(server.proc.pid)
+    workers = children(core)
+    assert workers, "rank 1 runs in a child process of the engine core"
+    with server.http() as client:
+        resp = client.post("/v1/completions", json={"model": "tiny-qwen3", "prompt": [1, 2, 3], "max_tokens": 5,
+                                                    "ignore_eos": True, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 5
+    server.proc.kill()
+    server.proc.wait(10)
+    for pid in [core, *workers]:
+        wait_gone(pid, 10)
