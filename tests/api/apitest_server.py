@@ -176,8 +176,21 @@ def launch_for_modules(modules) -> None:
 
 
 def stop_all(keep_logs: bool) -> None:
-    for proc in list(_servers.values()) + list(_background.values()):
-        proc.stop()
+    """Stop every launched process (once: later calls find none)."""
+    procs = list(_servers.values()) + list(_background.values())
+    _servers.clear()
+    _background.clear()
+    if not procs:
+        return
+    for proc in procs:  # all drain at once, then each is waited for
+        if proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        try:
+            proc.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.proc.kill()
+            proc.proc.wait(10)
         proc.log.close()
         proc.out.close()
     if keep_logs:
