@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.engine.admission import QueueFullError
-from deepbatch.engine.engine_client import EngineClient, EngineDrainingError, Observer, _Add
+from deepbatch.engine.engine_client import CheckedPrompt, EngineClient, EngineDrainingError, Observer
 from deepbatch.engine.request_stream import RequestStream
 from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
 
@@ -62,7 +62,7 @@ class AsyncEngine(EngineClient):
         self._cond = threading.Condition()
         # Guarded by _cond: the inbox, the sequences it holds, the engine's published waiting count
         # and the accepting state.
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[CheckedPrompt | _Abort] = []
         self._pending_seqs = 0
         self._pending_tokens = 0
         self._num_waiting = 0
@@ -124,7 +124,7 @@ class AsyncEngine(EngineClient):
         first = self.engine.make_requests(request_id, prompt, params, priority, tenant, arrival)[0]
         return first.prompt, first.prompt_token_ids
 
-    def _submit(self, adds: list[_Add], num_seqs: int, num_tokens: int) -> None:
+    def _submit(self, adds: list[CheckedPrompt], num_seqs: int, num_tokens: int) -> None:
         with self._cond:
             self._check_accepting(num_seqs, num_tokens)
             self._inbox.extend(adds)
@@ -189,9 +189,10 @@ class AsyncEngine(EngineClient):
             return
         with self._cond:
             commands, self._inbox = self._inbox, []
-        self._fail_all(EngineDeadError("the engine was shut down"), [c.stream for c in commands if isinstance(c, _Add)])
+        self._fail_all(EngineDeadError("the engine was shut down"),
+                       [c.stream for c in commands if isinstance(c, CheckedPrompt)])
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[RequestOutput]:
+    def _apply(self, commands: list[CheckedPrompt | _Abort]) -> list[RequestOutput]:
         engine = self.engine
         outputs: list[RequestOutput] = []
         added = added_tokens = 0
@@ -255,7 +256,7 @@ class AsyncEngine(EngineClient):
             self._pending_tokens = 0
         # Callbacks first: by the time a client reads its error, the server already reports dead.
         self._run_dead_callbacks(error)
-        self._fail_all(error, [c.stream for c in commands if isinstance(c, _Add)])
+        self._fail_all(error, [c.stream for c in commands if isinstance(c, CheckedPrompt)])
 
     def _fail_all(self, error: BaseException, extra: list[RequestStream]) -> None:
         streams = list(self._active.values()) + extra

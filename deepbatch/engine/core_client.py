@@ -43,7 +43,7 @@ from deepbatch.engine.core_messages import (
     Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode,
 )
 from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
-from deepbatch.engine.engine_client import EngineClient, _Add
+from deepbatch.engine.engine_client import CheckedPrompt, EngineClient
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.engine.snapshot import EngineSnapshot
 from deepbatch.executor.launch import choose_start_method
@@ -227,7 +227,7 @@ class EngineCoreClient(EngineClient):
         text, ids, _ = self.engine.validate(prompt, params)
         return text, ids
 
-    def _submit(self, adds: list[_Add], num_seqs: int, num_tokens: int) -> None:
+    def _submit(self, adds: list[CheckedPrompt], num_seqs: int, num_tokens: int) -> None:
         self._check_accepting(num_seqs, num_tokens)
         for add in adds:
             ids, text = add.prompt["prompt_token_ids"], add.prompt["prompt"]

@@ -43,7 +43,7 @@ class EngineDrainingError(RuntimeError):
 
 
 @dataclass
-class _Add:
+class CheckedPrompt:
     """One checked prompt on its way to the engine."""
 
     request_id: str
@@ -176,8 +176,8 @@ class EngineClient:
             num_tokens = sum(len(ids) for _, ids in checked) * params.n
             self._bounds.check_fits(num_seqs, num_tokens, params.n)
             loop = asyncio.get_running_loop()
-            adds = [_Add(request_id, {"prompt_token_ids": ids, "prompt": text}, params, priority, tenant, arrival,
-                         RequestStream(request_id, loop), params.n)
+            adds = [CheckedPrompt(request_id, {"prompt_token_ids": ids, "prompt": text}, params, priority, tenant,
+                                  arrival, RequestStream(request_id, loop), params.n)
                     for (request_id, _), (text, ids) in zip(prompts, checked)]
             self._submit(adds, num_seqs, num_tokens)
         except BaseException:
@@ -193,7 +193,7 @@ class EngineClient:
         """The prompt's text and token ids, or InvalidRequestError (in the tokenizer pool)."""
         raise NotImplementedError
 
-    def _submit(self, adds: list[_Add], num_seqs: int, num_tokens: int) -> None:
+    def _submit(self, adds: list[CheckedPrompt], num_seqs: int, num_tokens: int) -> None:
         """Hand the checked prompts to the engine, or raise (QueueFullError, ...) and queue none."""
         raise NotImplementedError
 
