@@ -18,17 +18,20 @@ import signal
 import time
 from pathlib import Path
 
-from apitest_server import MODEL, BackgroundStream, assert_error, children, engine_core_pid, get_server, wait_gone
+from apitest_server import BackgroundStream, assert_error, children, engine_core_pid, get_server, wait_gone
 
-_ARGS = ["--num-gpu-blocks-override", "256"]
-# Two ranks on the CPU (gloo) with a tiny random model: the core is rank 0, the worker its child.
+# A tiny random model (token ids in and out): these tests are about processes, not text, and the
+# servers then cost little memory beside the others the API tests run.
 _TINY = str(Path(__file__).resolve().parents[1] / "bench" / "tiny-qwen3.json")
-_TP2 = [_TINY, "--random-weights", "--tensor-parallel-size", "2", "--device", "cpu", "--num-gpu-blocks-override", "64"]
+_ARGS = [_TINY, "--random-weights", "--device", "cpu", "--max-model-len", "4096", "--num-gpu-blocks-override", "512"]
+# Two ranks on the CPU (gloo): the core is rank 0, the worker its child.
+_TP2 = [*_ARGS, "--tensor-parallel-size", "2"]
 SERVERS = {"core-killed": dict(args=_ARGS), "server-killed": dict(args=_ARGS), "tp2-killed": dict(args=_TP2)}
+TINY_MODEL = "tiny-qwen3"
 
 
 def body(max_tokens: int, stream: bool) -> dict:
-    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": stream,
+    return {"model": TINY_MODEL, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, "stream": stream,
             "ignore_eos": True}
 
 
@@ -38,9 +41,10 @@ def test_a_killed_engine_core_fails_open_requests_and_the_server_exits_nonzero()
 
     async def run():
         async with server.async_http(timeout=60) as client:
-            streams = [BackgroundStream(client, body(400, True)) for _ in range(2)]
+            # Long enough to be running when the core dies (a few ms a token).
+            streams = [BackgroundStream(client, body(4000, True)) for _ in range(2)]
             await asyncio.wait_for(asyncio.gather(*(s.first.wait() for s in streams)), 60)
-            plain = asyncio.ensure_future(client.post("/v1/completions", json=body(400, False)))
+            plain = asyncio.ensure_future(client.post("/v1/completions", json=body(4000, False)))
             await asyncio.sleep(0.3)
             os.kill(core, signal.SIGKILL)
             killed = time.monotonic()
@@ -72,8 +76,7 @@ def test_a_tensor_parallel_core_serves_and_its_workers_go_with_a_killed_server()
     workers = children(core)
     assert workers, "rank 1 runs in a child process of the engine core"
     with server.http() as client:
-        resp = client.post("/v1/completions", json={"model": "tiny-qwen3", "prompt": [1, 2, 3], "max_tokens": 5,
-                                                    "ignore_eos": True, "temperature": 0})
+        resp = client.post("/v1/completions", json=body(5, False))
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 5
     server.proc.kill()
