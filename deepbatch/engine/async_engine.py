@@ -1,4 +1,6 @@
-"""The asyncio front of ``LLMEngine``: one engine thread steps the model beside the event loop.
+"""The asyncio front of ``LLMEngine`` in one process: an engine thread steps the model beside the
+event loop (Ray Serve replicas, ``DEEPBATCH_ENGINE_PROCESS=0``; ``deepbatch serve`` runs the
+engine core in a process of its own instead, ``core_client.py``).
 
     event loop (HTTP)                       engine thread (the only caller of LLMEngine)
     -----------------                       --------------------------------------------
