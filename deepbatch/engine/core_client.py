@@ -40,7 +40,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepbatch.engine.core_messages import (
-    Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode,
+    Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
 )
 from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
 from deepbatch.engine.engine_client import CheckedPrompt, EngineClient
@@ -229,9 +229,10 @@ class EngineCoreClient(EngineClient):
 
     def _submit(self, adds: list[CheckedPrompt], num_seqs: int, num_tokens: int) -> None:
         self._check_accepting(num_seqs, num_tokens)
+        params = wire_params(adds[0].params)  # one API call: the prompts share their params
         for add in adds:
             ids, text = add.prompt["prompt_token_ids"], add.prompt["prompt"]
-            self._send(AddRequest(add.request_id, ids, text, add.params, add.priority, add.tenant, add.arrival_time))
+            self._send(AddRequest(add.request_id, ids, text, params, add.priority, add.tenant, add.arrival_time))
             self._assembler.add(add.request_id, text, ids, add.tenant)
         self._sent_seqs += num_seqs
         self._sent_tokens += num_tokens

@@ -16,6 +16,8 @@ small, off the per-token path, and their classes belong to the engine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 
 from deepbatch.core.sampling_params import SamplingParams
@@ -33,6 +35,14 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int
     tenant: str
     arrival_time: float  # time.monotonic(): one clock for every process on the host
+
+
+def wire_params(params: SamplingParams) -> SamplingParams:
+    """``params`` without what an engine attached to them (a compiled grammar, EOS ids): the core
+    attaches its own, and a compiled grammar is no message."""
+    if params._compiled_grammar is None and not params._eos_token_ids:
+        return params
+    return replace(params, _compiled_grammar=None, _eos_token_ids=frozenset())
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -125,3 +125,17 @@ def test_text_taken_back_by_a_stop_string_is_cut_at_the_offset():
     assert first.outputs[0].text == "Hello wor" and first.outputs[0].token_ids == [5, 6]
     assert out.outputs[0].text == "Hello w" and out.outputs[0].token_ids == [5, 6, 7] and out.finished
     assert out.outputs[0].stop_reason == "or" and out.prompt_token_ids == [1]
+
+
+def test_a_request_with_a_compiled_grammar_crosses_without_it(smollm_llm):
+    # The API process compiles a grammar to refuse a bad one early; the core compiles its own.
+    from deepbatch.core.sampling_params import StructuredOutputsParams
+    from deepbatch.engine.core_messages import AddRequest, decode_client_message, encode, wire_params
+
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    compiled = smollm_llm.engine.prepare_structured_output(params)
+    assert compiled._compiled_grammar is not None
+    message = decode_client_message(encode(AddRequest("r", [1, 2], None, wire_params(compiled), 0, "t", 1.0)))
+    assert message.params == params and message.params._compiled_grammar is None
+    (request,) = smollm_llm.engine.make_requests("r", {"prompt_token_ids": [1, 2]}, message.params)
+    assert request.structured_output is not None  # the core's own grammar
