@@ -15,8 +15,9 @@ the model config and the KV cache's size that the core reports in ``Ready``), so
 is refused here with the same error as in one process, before anything is sent. The queue bounds
 are checked against the waiting counts of the core's last message plus what was sent since.
 
-The core process is forked where that is safe (it starts at once and imports nothing again) and
-spawned otherwise, with the rules of the tensor-parallel workers (``executor/launch.py``).
+The core process is spawned on a GPU (this process has asked the CUDA driver about devices, which
+a forked child could not survive) and elsewhere forked where that is safe (it starts at once and
+imports nothing again), with the rules of the tensor-parallel workers (``executor/launch.py``).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class EngineCoreClient(EngineClient):
         outputs.setsockopt(zmq.RCVHWM, 0)
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.bind(addresses.outputs)
-        mp = multiprocessing.get_context(choose_start_method())
+        # A CUDA core is spawned: this process asked the driver about devices while it built the
+        # config, and a forked child of such a process cannot use CUDA.
+        mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
         self.process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
                                   args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
         self.process.start()
