@@ -34,12 +34,12 @@ import zmq
 
 from deepbatch.config import EngineConfig
 from deepbatch.core.errors import InvalidRequestError
-from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.request import Request
 from deepbatch.engine.core_messages import (
     SNAPSHOT_INTERVAL_S, Abort, AddRequest, CompletionDelta, Dead, OutputDelta, Ready, Shutdown, StepOutputs,
     decode_client_message, encode,
 )
+from deepbatch.engine.output_processor import parent_state
 from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
 
 logger = logging.getLogger("deepbatch.engine_core")
@@ -220,9 +220,9 @@ class EngineCore:
                 if self._num_step_calls == self._fault_inject_step:
                     raise RuntimeError(f"injected fault at engine step {self._num_step_calls}")
                 steps_before = engine.stats.num_steps
-                outs = engine.step()
-                idle = engine.stats.num_steps == steps_before and not outs
-                deltas.extend(self._delta(o) for o in outs)
+                progressed = engine.step_requests()
+                idle = engine.stats.num_steps == steps_before and not progressed
+                deltas.extend(self._delta(pid, children) for pid, children in progressed)
             has_work = engine.has_unfinished_requests()
             end = time.monotonic()
             waiting_after = (engine.scheduler.num_waiting, waiting_tokens(engine))
@@ -279,46 +279,45 @@ class EngineCore:
                 deltas.append(_refusal(cmd.request_id, cmd.error))
             elif isinstance(cmd, Abort):
                 for request_id in cmd.request_ids:
-                    out = engine.abort_request(request_id)
-                    if out is not None:
-                        deltas.append(self._delta(out))
+                    children = engine.outputs.parents.get(request_id)
+                    if children is not None:
+                        engine.abort_request(request_id)
+                        deltas.append(self._delta(request_id, children))
             elif isinstance(cmd, _HealthCheck):
                 engine.check_health()  # raises: the core dies
             elif isinstance(cmd, Shutdown):
                 raise _Stop
         return deltas
 
-    def _delta(self, out: RequestOutput) -> OutputDelta:
-        """``out`` less what earlier messages carried of it."""
-        sent = self._sent.get(out.request_id)
+    def _delta(self, parent_id: str, children: list[Request]) -> OutputDelta:
+        """What is new of a parent request since the last message: read from its samples
+        directly, so a step costs the new tokens, not a copy of every output so far."""
+        sent = self._sent.get(parent_id)
         if sent is None:
-            sent = self._sent[out.request_id] = _SentSoFar()
+            sent = self._sent[parent_id] = _SentSoFar()
         completions = []
-        for c in out.outputs:
-            text_len, num_tokens, num_logprobs = sent.completions.get(c.index, (0, 0, 0))
+        for r in children:
+            text, ids, logprobs = r.output_text, r.output_token_ids, r.logprobs
+            text_len, num_tokens, num_logprobs = sent.completions.get(r.index, (0, 0, 0))
             # A stop string can take back text held so far: resend from the common prefix.
-            text_offset = min(text_len, len(c.text))
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = c.logprobs[num_logprobs:]
-                num_logprobs = len(c.logprobs)
+            text_offset = min(text_len, len(text))
             completions.append(CompletionDelta(
-                c.index, text_offset, c.text[text_offset:], num_tokens, c.token_ids[num_tokens:], c.finish_reason,
-                c.stop_reason, sent.completions.get(c.index, (0, 0, 0))[2], logprobs))
-            sent.completions[c.index] = (len(c.text), len(c.token_ids), num_logprobs)
-        prompt_logprobs = None
+                r.index, text_offset, text[text_offset:], num_tokens, ids[num_tokens:], r.finish_reason,
+                r.stop_reason, num_logprobs, logprobs[num_logprobs:] if logprobs is not None else None))
+            sent.completions[r.index] = (len(text), len(ids), len(logprobs) if logprobs is not None else 0)
+        first = children[0]
         prompt_offset = sent.num_prompt_logprobs
-        if out.prompt_logprobs is not None:
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and len(first.prompt_logprobs) > prompt_offset:
             prompt_logprobs = [None if entry is None else {t: (lp.logprob, lp.rank) for t, lp in entry.items()}
-                               for entry in out.prompt_logprobs[prompt_offset:]]
-            sent.num_prompt_logprobs = len(out.prompt_logprobs)
-        m = out.metrics
-        metrics = (None if m is None else
-                   (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions))
-        if out.finished:
-            del self._sent[out.request_id]
-        return OutputDelta(out.request_id, completions, out.finished, out.num_cached_tokens, out.error,
-                           out.error_code, metrics, prompt_offset, prompt_logprobs)
+                               for entry in first.prompt_logprobs[prompt_offset:]]
+            sent.num_prompt_logprobs = len(first.prompt_logprobs)
+        finished, num_cached, error, error_code, m = parent_state(children)
+        if finished:
+            del self._sent[parent_id]
+        return OutputDelta(parent_id, completions, finished, num_cached, error, error_code,
+                           (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+                            m.num_preemptions), prompt_offset, prompt_logprobs)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from deepbatch.core.errors import InvalidRequestError
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.request import Request
 from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.engine.output_processor import EngineStats, OutputProcessor, StepResult
+from deepbatch.engine.output_processor import EngineStats, OutputProcessor, StepResult, make_output
 from deepbatch.kv_cache.manager import KVCacheManager
 from deepbatch.kv_cache.swap import HostBlockPool, SwapCostModel, num_host_blocks
 from deepbatch.models.config_checks import kv_sliding_window
@@ -285,6 +285,11 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One model step. Returns an output for every parent request that made progress (with
         ``finished_only``, only for those that finished: offline runs skip building the rest)."""
+        return [make_output(pid, children) for pid, children in self.step_requests(finished_only)]
+
+    def step_requests(self, finished_only: bool = False) -> list[tuple[str, list[Request]]]:
+        """``step``, returning ``(parent id, its samples)`` for each parent request that made
+        progress instead of building outputs (the engine core sends only what is new of them)."""
         result = StepResult()
         if self.async_scheduling:
             self._step_async(result)
@@ -293,7 +298,7 @@ class LLMEngine:
             self._inflight = None
         else:
             self._step_sync(result)
-        return self.outputs.collect(result.touched, finished_only)
+        return self.outputs.take(result.touched, finished_only)
 
     def _step_sync(self, result: StepResult) -> None:
         out, pending, started = self._schedule_and_launch(result)

@@ -180,16 +180,32 @@ class OutputProcessor:
     def collect(self, parent_ids, finished_only: bool = False) -> list[RequestOutput]:
         """An output per parent in ``parent_ids`` (with ``finished_only``, only for those whose
         samples all finished: offline runs skip building the rest); finished ones are dropped."""
-        outputs = []
+        return [make_output(pid, children) for pid, children in self.take(parent_ids, finished_only)]
+
+    def take(self, parent_ids, finished_only: bool = False) -> list[tuple[str, list[Request]]]:
+        """``(parent id, its samples)`` for each of ``parent_ids`` still tracked (with
+        ``finished_only``, only those whose samples all finished); finished ones are dropped."""
+        taken = []
         for pid in parent_ids:
             children = self.parents.get(pid)
             if children is None or (finished_only and not all(r.is_finished for r in children)):
                 continue
-            o = make_output(pid, children)
-            if o.finished:
+            if all(r.is_finished for r in children):
                 del self.parents[pid]
-            outputs.append(o)
-        return outputs
+            taken.append((pid, children))
+        return taken
+
+
+def parent_state(children: list[Request]) -> tuple[bool, int, str | None, str | None, RequestMetrics]:
+    """What a parent request's output says beside its samples: finished, prefix-cache hit,
+    error and its code (the first sample's that failed), metrics over its samples."""
+    first = children[0]
+    failed = next((r for r in children if r.error), None)
+    metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                             max((r.finished_time or 0.0) for r in children) or None,
+                             sum(r.num_preemptions for r in children))
+    return (all(r.is_finished for r in children), max(first.num_cached_tokens, 0),
+            failed.error if failed else None, failed.error_code if failed else None, metrics)
 
 
 def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
@@ -200,19 +216,17 @@ def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
                          list(r.logprobs) if r.logprobs is not None else None)
         for r in children
     ]
-    failed = [r for r in children if r.error]
+    finished, num_cached, error, error_code, metrics = parent_state(children)
     return RequestOutput(
         request_id=parent_id,
         prompt=first.prompt,
         prompt_token_ids=first.prompt_token_ids,
         outputs=completions,
-        finished=all(r.is_finished for r in children),
-        num_cached_tokens=max(first.num_cached_tokens, 0),
-        error=failed[0].error if failed else None,
-        error_code=failed[0].error_code if failed else None,
+        finished=finished,
+        num_cached_tokens=num_cached,
+        error=error,
+        error_code=error_code,
         prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-        metrics=RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
-                               max((r.finished_time or 0.0) for r in children) or None,
-                               sum(r.num_preemptions for r in children)),
+        metrics=metrics,
         tenant=first.tenant,
     )
