@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import deepbatch  # noqa: F401  (sets the OpenMP wait policy before torch loads)
 import pytest
@@ -25,6 +26,19 @@ os.environ.setdefault("DEEPBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="deepbatch-
 # anything imports deepbatch: without a GPU every Triton kernel runs in the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_TESTS = Path(__file__).resolve().parent
+# Test files that start server processes (tests/api's own modules start about 20 SmolLM2 servers
+# at once, tests/serve_ray a Ray cluster): kept on one xdist worker, one after the other, so that
+# their memory never adds up with each other's; everything else is shared out between workers.
+_SERVER_DIRS = (_TESTS / "api", _TESTS / "serve_ray")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(item.path).resolve().parent in _SERVER_DIRS:
+            item.add_marker(pytest.mark.xdist_group("servers"))
+
 
 TINY_COMMON = dict(
     vocab_size=384,
