@@ -34,6 +34,7 @@ _TESTS = Path(__file__).resolve().parent
 _SERVER_DIRS = (_TESTS / "api", _TESTS / "serve_ray")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(item.path).resolve().parent in _SERVER_DIRS:

@@ -165,7 +165,8 @@ _background: dict[str, BackgroundProcess] = {}
 
 
 def launch_for_modules(modules) -> None:
-    """Start every process the modules declare (``SERVERS``, ``BACKGROUND``), all at once."""
+    """Start every process the modules declare (``SERVERS``, ``BACKGROUND``) that is not running
+    yet, all at once, so their model loads overlap."""
     for mod in modules:
         for name, spec in getattr(mod, "SERVERS", {}).items():
             if name not in _servers:
@@ -175,13 +176,27 @@ def launch_for_modules(modules) -> None:
                 _background[name] = BackgroundProcess(name, cmd)
 
 
+def declared(modules) -> set[str]:
+    """The names of the processes the modules declare."""
+    return {name for mod in modules for name in (*getattr(mod, "SERVERS", {}), *getattr(mod, "BACKGROUND", {}))}
+
+
+def stop_unneeded(keep: set[str]) -> None:
+    """Stop every launched process whose name is not in ``keep``."""
+    _stop([_servers.pop(n) for n in list(_servers) if n not in keep]
+          + [_background.pop(n) for n in list(_background) if n not in keep])
+
+
 def stop_all(keep_logs: bool) -> None:
-    """Stop every launched process (once: later calls find none)."""
-    procs = list(_servers.values()) + list(_background.values())
-    _servers.clear()
-    _background.clear()
-    if not procs:
-        return
+    """Stop every launched process; the logs stay when ``keep_logs``, else they are removed."""
+    stop_unneeded(set())
+    if keep_logs:
+        print(f"\nserver logs: {LOG_DIR}")
+    else:
+        shutil.rmtree(LOG_DIR, ignore_errors=True)
+
+
+def _stop(procs: list[BackgroundProcess]) -> None:
     for proc in procs:  # all drain at once, then each is waited for
         if proc.proc.poll() is None:
             proc.proc.send_signal(signal.SIGINT)
@@ -193,10 +208,6 @@ def stop_all(keep_logs: bool) -> None:
             proc.proc.wait(10)
         proc.log.close()
         proc.out.close()
-    if keep_logs:
-        print(f"\nserver logs: {LOG_DIR}")
-    else:
-        shutil.rmtree(LOG_DIR, ignore_errors=True)
 
 
 def get_server(name: str) -> ServerProcess:
