@@ -63,6 +63,19 @@ def hold(params: SamplingParams) -> int:
     return max(len(s) for s in params.stop) - 1 if params.stop else 0
 
 
+def split_reasoning(choice):
+    """``(reasoning part, the rest)`` of a chat stream choice whose text crossed the end of the
+    reasoning (both fields in one delta), else ``(None, choice)``: the reasoning goes out in a
+    chunk of its own first, so no delta mixes the two however many tokens a chunk carries."""
+    delta = getattr(choice, "delta", None)
+    if delta is None or not delta.reasoning_content or not (delta.content or delta.tool_calls):
+        return None, choice
+    head = ChatStreamChoice(index=choice.index, delta=DeltaMessage(role=delta.role,
+                                                                   reasoning_content=delta.reasoning_content))
+    rest = choice.model_copy(update={"delta": delta.model_copy(update={"role": None, "reasoning_content": None})})
+    return head, rest
+
+
 class ResponseFormatter:
     """The parts of a reply that need token text. Reads ``engine.tokenizer`` when it needs one;
     without a tokenizer a token's text is its id and a prompt's text is empty."""

@@ -356,7 +356,7 @@ class OpenAIServing:
                     out = responses.without_generation(out)
                 if out.finished:
                     finals[i] = out
-                choices = []
+                heads, choices = [], []
                 for c in out.outputs:
                     index = i * spec.n + c.index
                     state = states.get(index)
@@ -366,7 +366,13 @@ class OpenAIServing:
                         c = spec.clean(c)
                     choice = self.formatter.delta(out, c, state, index, spec)
                     if choice is not None:
+                        head, choice = responses.split_reasoning(choice)
+                        if head is not None:
+                            heads.append(head)
                         choices.append(choice)
+                if heads:
+                    yield responses.sse(chunk_cls(id=request_id, created=created, model=self.model_name,
+                                                  choices=heads))
                 if choices:
                     yield responses.sse(chunk_cls(id=request_id, created=created, model=self.model_name,
                                                   choices=choices))

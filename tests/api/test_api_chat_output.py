@@ -256,3 +256,19 @@ def test_serve_flags_fail_before_the_model_loads(capsys, flags, message):
         main(["serve", "--device", "cpu", *flags])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_delta_that_crosses_the_end_of_the_reasoning_goes_out_as_two():
+    # Several tokens can reach one chunk (the engine core's per-step messages coalesce while the
+    # client is slow); the reasoning part still goes out alone, first.
+    from deepbatch.api.protocol import ChatStreamChoice, DeltaMessage
+    from deepbatch.api.responses import split_reasoning
+
+    both = ChatStreamChoice(index=1, delta=DeltaMessage(reasoning_content=" carefully.", content="The answer"),
+                            finish_reason="stop")
+    head, rest = split_reasoning(both)
+    assert head.index == rest.index == 1 and head.finish_reason is None and rest.finish_reason == "stop"
+    assert (head.delta.reasoning_content, head.delta.content) == (" carefully.", None)
+    assert (rest.delta.reasoning_content, rest.delta.content) == (None, "The answer")
+    plain = ChatStreamChoice(index=0, delta=DeltaMessage(reasoning_content="hmm"))
+    assert split_reasoning(plain) == (None, plain)
