@@ -209,8 +209,9 @@ class EngineCoreClient(EngineClient):
         self._loop.remove_reader(self.process.sentinel)
         if self._stopped:
             return
-        # Messages the core sent before it exited (its Dead) are read first.
-        self._loop.call_later(0.2, self._end, EngineDeadError(
+        # Messages the core sent before it exited (its Dead, with the cause) are read first.
+        self.process.join(1.0)
+        self._loop.call_later(0.5, self._end, EngineDeadError(
             f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"))
 
     def _end(self, error: EngineDeadError) -> None:
@@ -259,6 +260,9 @@ class EngineCoreClient(EngineClient):
                 message = decode_core_message(await socket.recv(copy=False))
                 if isinstance(message, StepOutputs):
                     self._on_step(message)
+                    # Let the streams take this step's outputs before the next message: a
+                    # client gets a chunk per step, not steps merged while messages queued.
+                    await asyncio.sleep(0)
                 elif isinstance(message, Dead):
                     self._end(EngineDeadError(message.message))
                     return

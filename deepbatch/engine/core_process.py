@@ -83,7 +83,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     parent_pid = parent_pid or os.getppid()
     ctx = zmq.Context()
-    outputs = ctx.socket(zmq.PUSH)
+    # Its own context, so that an exit can flush what is queued on it (the last message says
+    # why) while the input thread still holds the other socket.
+    out_ctx = zmq.Context()
+    outputs = out_ctx.socket(zmq.PUSH)
     # No high-water mark: a busy API process must never stall the engine's loop on a send.
     outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.setsockopt(zmq.LINGER, 2000)
@@ -110,11 +113,13 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         message = f"the engine stopped after an error in a model step: {type(e).__name__}: {e}"[:1000]
         _send_quietly(outputs, Dead(message))
         _stop_engine(engine)
-        outputs.close()
+        outputs.close(linger=2000)
+        out_ctx.term()  # waits until Dead is delivered (or 2 s)
         os._exit(1)  # the input thread may sit in a socket call; nothing else needs to run
     _stop_engine(engine)
     _send_quietly(outputs, Dead("the engine was shut down", stopped=True))
-    outputs.close()
+    outputs.close(linger=2000)
+    out_ctx.term()
     inputs.close()
     ctx.term()
 
