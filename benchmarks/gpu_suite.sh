@@ -29,6 +29,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 M=${MODELS:-benchmarks/models}
 # BENCH_ARGS: more flags for every throughput stage (e.g. --max-num-seqs 512).
 TP="python3 -m deepbatch.bench.throughput --random-weights ${BENCH_ARGS:-}"
+# pytest in one process: the project's addopts ask for pytest-xdist, which GPU hosts need not have.
+PYTEST="python3 -m pytest -o addopts= -q"
 # Memory under pressure: the KV pool capped at 4096 blocks (65,536 tokens), requests adding up to 2x.
 KV2X="$TP --workload kv-2x --model-config $M/qwen3-0.6b.json --num-gpu-blocks-override ${KV_BLOCKS:-4096}"
 
@@ -57,7 +59,7 @@ run_stage() {
   case $1 in
     parity) stage parity 150 python3 benchmarks/gpu_parity.py --model-config "$M/qwen3-0.6b.json" ${PARITY_RUNS:+--runs $PARITY_RUNS} \
       --output-json "$OUT/parity.json" ;;
-    kernels) stage kernels 90 python3 -m pytest -q -m gpu tests/kernels ;;
+    kernels) stage kernels 90 $PYTEST -m gpu tests/kernels ;;
     profile-nano) stage profile-nano 90 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
       --workload nano --output-json "$OUT/profile-nano.json" ;;
     timeline-nano) stage timeline-nano 120 python3 benchmarks/gpu_profile.py --model-config "$M/qwen3-0.6b.json" \
@@ -115,14 +117,14 @@ run_stage() {
       --output-json "$OUT/mla-moe.json" ;;
     mla-moe-expanded|mla-moe-absorbed) stage $1 200 $TP --workload mla-moe --model-config "$M/deepseek-v2-lite.json" \
       --num-requests ${MLA_REQUESTS:-1000} --mla-prefill ${1#mla-moe-} --output-json "$OUT/$1.json" ;;
-    mla-kernels) stage mla-kernels 120 python3 -m pytest -q -m gpu tests/kernels/test_mla_prefill.py \
+    mla-kernels) stage mla-kernels 120 $PYTEST -m gpu tests/kernels/test_mla_prefill.py \
       tests/kernels/test_mla_decode.py tests/kernels/test_mla_decode_swap_ab.py ;;
     kv-2x-recompute) stage kv-2x-recompute 90 $KV2X --output-json "$OUT/kv-2x-recompute.json" ;;
     kv-2x-swap) stage kv-2x-swap 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --preemption-mode swap --output-json "$OUT/kv-2x-swap.json" ;;
     kv-2x-predictive) stage kv-2x-predictive 90 $KV2X --admission predictive --output-json "$OUT/kv-2x-predictive.json" ;;
     kv-2x-auto) stage kv-2x-auto 90 $KV2X --swap-space ${KV_SWAP_GIB:-8} --output-json "$OUT/kv-2x-auto.json" ;;
     # Quantized KV cache and weights, each beside the plain run of the same workload.
-    kernels-quant) stage kernels-quant 240 python3 -m pytest -q -m gpu tests/kernels/test_fp8_quant.py \
+    kernels-quant) stage kernels-quant 240 $PYTEST -m gpu tests/kernels/test_fp8_quant.py \
       tests/kernels/test_w8a8_fp8_gemm.py tests/kernels/test_fused_moe_fp8.py tests/kernels/test_w4a16_gemm.py \
       tests/kernels/test_mla_kv_quant.py tests/kernels/test_kv_cache_quant.py tests/kernels/test_paged_attention_window.py ;;
     quant-parity) stage quant-parity 200 python3 benchmarks/quant_parity.py --model-config "$M/qwen3-0.6b.json" \
