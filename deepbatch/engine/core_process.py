@@ -28,7 +28,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -298,7 +298,7 @@ class EngineCore:
         """What is new of a parent request since the last message: read from its samples
         directly, so a step costs the new tokens, not a copy of every output so far."""
         sent = self._sent.get(parent_id)
-        if sent is None:
+        if sent is None:  # not setdefault: no throwaway object per request per step
             sent = self._sent[parent_id] = _SentSoFar()
         completions = []
         for r in children:
@@ -327,12 +327,9 @@ class EngineCore:
 
 @dataclass
 class _SentSoFar:
-    completions: dict[int, tuple[int, int, int]]  # index -> (text chars, token ids, logprobs)
+    # sample index -> (text chars, token ids, logprobs) already sent
+    completions: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     num_prompt_logprobs: int = 0
-
-    def __init__(self) -> None:
-        self.completions = {}
-        self.num_prompt_logprobs = 0
 
 
 class _HealthCheck:
