@@ -162,6 +162,13 @@ run_stage() {
     serve-vs-offline-8b) stage $1 ${T_SVO8:-420} python3 -m deepbatch.bench.serve_offline "$M/llama-3.1-8b.json" --random-weights \
       --num-prompts ${SVO8_PROMPTS:-512} --random-input-len 1000 --random-output-len 250 --variants ${SVO8_VARIANTS:-process} \
       --max-model-len 4096 --output-json "$OUT/$1.json" ;;
+    # The same 0.6b load as serve-vs-offline (engine core process only) under py-spy, every process
+    # sampled (offline child, API process, engine core, clients): collapsed stacks in $OUT/$1.txt,
+    # one root frame per process. Needs `pip install py-spy` (benchmarks/pyspy_summary.py reads it).
+    serve-vs-offline-pyspy) stage $1 ${T_SVOP:-300} py-spy record --subprocesses --nonblocking --rate 250 \
+      --format raw -o "$OUT/$1.txt" -- python3 -m deepbatch.bench.serve_offline "$M/qwen3-0.6b.json" --random-weights \
+      --num-prompts ${SVO_PROMPTS:-1000} --random-input-len 1000 --random-output-len 250 --variants process \
+      --max-model-len 4096 --output-json "$OUT/$1.json" ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac
 }

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepbatch.engine.engine_client import EngineClient
 from deepbatch.engine.snapshot import EngineSnapshot
@@ -152,7 +152,7 @@ def engine_stats(snap: EngineSnapshot) -> dict:
 
 @dataclass
 class _Progress:
-    """Engine-thread bookkeeping of one request between outputs."""
+    """Bookkeeping of one request between outputs."""
 
     started: bool = False
     tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens seen
@@ -175,16 +175,17 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=_TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        labels, buckets=_ITL_BUCKETS, registry=reg)
+        self.itl = itl.labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         # The same intervals as inter_token_latency, under the older name dashboards still read.
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                              labels, buckets=_ITL_BUCKETS, registry=reg).labels(model_name)
+        reg.register(_RenamedHistogram(itl, "vllm:time_per_output_token_seconds",
+                                       "Histogram of time per output token in seconds."))
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
                                       "Histogram of time spent in PREFILL phase for request.", labels,
                                       buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
@@ -211,6 +212,8 @@ class ServerMetrics:
         self._tenant_ttft = Histogram("deepbatch:tenant_time_to_first_token_seconds", "Time to first token per tenant.",
                                       tl, buckets=_TTFT_BUCKETS, registry=reg)
         self._tenants: set[str] = set()
+        self._tenant_children: dict[str, _TenantSeries] = {}  # tenant -> its label children
+        self._success_children: dict[str, object] = {}  # finish reason -> its counter child
         self.model_name = model_name
         reg.register(_EngineCollector(engine, model_name))
         self._progress: dict[str, _Progress] = {}
@@ -227,21 +230,35 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def _tenant_series(self, tenant: str) -> _TenantSeries:
+        series = self._tenant_children.get(tenant)
+        if series is None:  # labels() costs a lock and a tuple per call: once per tenant
+            label = self._tenant_label(tenant)
+            series = self._tenant_children[tenant] = _TenantSeries(
+                self._tenant_tokens.labels(self.model_name, label), self._tenant_ttft.labels(self.model_name, label),
+                self._tenant_requests.labels(self.model_name, label))
+        return series
+
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the engine thread after each iteration."""
+        """Runs after each engine iteration, with the outputs of the requests it advanced."""
         now = time.monotonic()
         # vLLM's tokens per engine step: the new tokens, plus the whole prompt of each request
         # whose first token is among them.
         step_tokens = 0
+        new_tokens = 0
+        itl = self.itl.observe
         for out in outputs:
-            p = self._progress.setdefault(out.request_id, _Progress())
+            p = self._progress.get(out.request_id)
+            if p is None:
+                p = self._progress[out.request_id] = _Progress()
             m = out.metrics
+            series = None
             for c in out.outputs:
                 seen = p.tokens.get(c.index, 0)
                 new = len(c.token_ids) - seen
                 if new <= 0:
                     continue
-                tenant = self._tenant_label(out.tenant)
+                series = series or self._tenant_series(out.tenant)
                 if not p.started:
                     p.started = True
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -249,23 +266,26 @@ class ServerMetrics:
                     if m is not None:
                         ttft = max((m.first_token_time or now) - m.arrival_time, 0.0)
                         self.ttft.observe(ttft)
-                        self._tenant_ttft.labels(self.model_name, tenant).observe(ttft)
-                self._tenant_tokens.labels(self.model_name, tenant).inc(new)
-                if seen and c.index in p.last_token_time:
+                        series.ttft.observe(ttft)
+                series.tokens.inc(new)
+                last = p.last_token_time.get(c.index)
+                if seen and last is not None:
                     # One step can add several tokens to a choice only after coalescing; spread the gap.
-                    gap = (now - p.last_token_time[c.index]) / new
+                    gap = (now - last) / new
                     for _ in range(new):
-                        self.itl.observe(gap)
-                        self.tpot.observe(gap)
+                        itl(gap)  # time_per_output_token_seconds reports the same series
                 p.tokens[c.index] = len(c.token_ids)
                 p.last_token_time[c.index] = now
-                self.generation_tokens.inc(new)
-                step_tokens += new
+                new_tokens += new
             if out.finished:
                 self._progress.pop(out.request_id, None)
-                self._tenant_requests.labels(self.model_name, self._tenant_label(out.tenant)).inc()
+                self._tenant_series(out.tenant).requests.inc()
                 for c in out.outputs:
-                    self._success.labels(self.model_name, c.finish_reason or "abort").inc()
+                    reason = c.finish_reason or "abort"
+                    success = self._success_children.get(reason)
+                    if success is None:
+                        success = self._success_children[reason] = self._success.labels(self.model_name, reason)
+                    success.inc()
                 self.request_prompt_tokens.observe(len(out.prompt_token_ids))
                 self.request_generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
                 if m is not None:
@@ -276,8 +296,33 @@ class ServerMetrics:
                         if m.first_token_time is not None:
                             self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
                             self.decode_time.observe(max(finished - m.first_token_time, 0.0))
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+        step_tokens += new_tokens
         if step_tokens:
             self.iteration_tokens.observe(step_tokens)
+
+
+@dataclass
+class _TenantSeries:
+    tokens: object
+    ttft: object
+    requests: object
+
+
+class _RenamedHistogram:
+    """A histogram's samples under a second name: ``vllm:time_per_output_token_seconds`` is the
+    series of ``vllm:inter_token_latency_seconds`` under the name older dashboards read, so each
+    interval is observed once, not twice."""
+
+    def __init__(self, source: Histogram, name: str, documentation: str):
+        self._source, self._name, self._doc = source, name, documentation
+
+    def collect(self):
+        for family in self._source.collect():
+            renamed = HistogramMetricFamily(self._name, self._doc)
+            renamed.samples = [s._replace(name=self._name + s.name[len(family.name):]) for s in family.samples]
+            yield renamed
 
 
 async def log_stats_periodically(engine: EngineClient, interval: float) -> None:

@@ -41,7 +41,8 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepbatch.engine.core_messages import (
-    Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
+    Abort, AddRequest, CompletionDelta, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode,
+    wire_params,
 )
 from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
 from deepbatch.engine.engine_client import CheckedPrompt, EngineClient
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # How long a stop waits for the core to exit before killing it.
 _JOIN_S = 10.0
+# A step message read this long after the core sent it: the reader is behind (see _read).
+_BEHIND_S = 0.05
 
 
 class Frontend:
@@ -260,9 +263,13 @@ class EngineCoreClient(EngineClient):
                 message = decode_core_message(await socket.recv(copy=False))
                 if isinstance(message, StepOutputs):
                     self._on_step(message)
-                    # Let the streams take this step's outputs before the next message: a
-                    # client gets a chunk per step, not steps merged while messages queued.
-                    await asyncio.sleep(0)
+                    # Let the streams take this step's outputs before the next message, so a
+                    # client gets a chunk per step. A reader that fell behind (the message
+                    # waited) takes the next one at once instead: the streams then send the
+                    # steps it caught up on as one chunk, and the process catches up rather
+                    # than falling further behind with a write per stream per step.
+                    if time.monotonic() - message.end < _BEHIND_S:
+                        await asyncio.sleep(0)
                 elif isinstance(message, Dead):
                     self._end(EngineDeadError(message.message))
                     return
@@ -316,36 +323,44 @@ class OutputAssembler:
         """The request's cumulative output with ``delta`` applied (a new object each time: a
         stream holds the newest output and a reader may still be looking at the previous one)."""
         previous = self._outputs.get(delta.request_id)
-        completions = {c.index: c for c in (previous.outputs if previous is not None else ())}
-        for c in delta.completions:
-            before = completions.get(c.index)
-            if before is None:
-                text, token_ids, logprobs = "", [], None
-            else:
-                text, token_ids, logprobs = before.text, before.token_ids, before.logprobs
-            if c.logprobs is not None:
-                logprobs = (logprobs or [])[:c.logprobs_offset] + [(lp, dict(top)) for lp, top in c.logprobs]
-            completions[c.index] = CompletionOutput(
-                c.index, text[:c.text_offset] + c.text, token_ids[:c.token_offset] + c.token_ids, c.finish_reason,
-                c.stop_reason, logprobs)
-        prompt_logprobs = previous.prompt_logprobs if previous is not None else None
+        if previous is None:  # not added here (cannot happen while the link is whole): no prompt to carry
+            previous = RequestOutput(delta.request_id, None, [])
+        before = previous.outputs
+        if len(delta.completions) == 1 and len(before) <= 1:  # one sample: no index map needed
+            completions = [_applied(before[0] if before else None, delta.completions[0])]
+        else:
+            by_index = {c.index: c for c in before}
+            for c in delta.completions:
+                by_index[c.index] = _applied(by_index.get(c.index), c)
+            completions = [by_index[i] for i in sorted(by_index)]
+        prompt_logprobs = previous.prompt_logprobs
         if delta.prompt_logprobs is not None:
             prompt_logprobs = (prompt_logprobs or [])[:delta.prompt_logprobs_offset] + [
                 None if entry is None else {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()}
                 for entry in delta.prompt_logprobs]
         m = delta.metrics
         out = RequestOutput(
-            request_id=delta.request_id, prompt=previous.prompt if previous is not None else None,
-            prompt_token_ids=previous.prompt_token_ids if previous is not None else [],
-            outputs=[completions[i] for i in sorted(completions)], finished=delta.finished,
-            num_cached_tokens=delta.num_cached_tokens, error=delta.error, error_code=delta.error_code,
-            metrics=RequestMetrics(*m) if m is not None else None,
-            tenant=previous.tenant if previous is not None else "default", prompt_logprobs=prompt_logprobs)
+            delta.request_id, previous.prompt, previous.prompt_token_ids, completions, delta.finished,
+            delta.num_cached_tokens, delta.error, delta.error_code,
+            RequestMetrics(*m) if m is not None else previous.metrics, previous.tenant, prompt_logprobs)
         if delta.finished:
             self._outputs.pop(delta.request_id, None)
         else:
             self._outputs[delta.request_id] = out
         return out
+
+
+def _applied(before: CompletionOutput | None, c: CompletionDelta) -> CompletionOutput:
+    """One sample's output with its delta applied."""
+    if before is None:
+        text, token_ids, logprobs = c.text, c.token_ids, None
+    else:
+        text = before.text + c.text if c.text_offset == len(before.text) else before.text[:c.text_offset] + c.text
+        token_ids = before.token_ids[:c.token_offset] + c.token_ids
+        logprobs = before.logprobs
+    if c.logprobs is not None:
+        logprobs = (logprobs or [])[:c.logprobs_offset] + [(lp, dict(top)) for lp, top in c.logprobs]
+    return CompletionOutput(c.index, text, token_ids, c.finish_reason, c.stop_reason, logprobs)
 
 
 def _refusal_error(refusal: tuple[str, str | None, str, str]) -> Exception:

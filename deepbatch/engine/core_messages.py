@@ -67,7 +67,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     snapshot: bytes  # a pickled EngineSnapshot
 
 
-class CompletionDelta(msgspec.Struct, array_like=True):
+class CompletionDelta(msgspec.Struct, array_like=True, gc=False):
     """What is new in one sample's output: ``text`` replaces the output text from character
     ``text_offset`` on (a stop string can take back text held so far), ``token_ids`` and
     ``logprobs`` extend the lists from their offsets."""
@@ -83,7 +83,7 @@ class CompletionDelta(msgspec.Struct, array_like=True):
     logprobs: list[tuple[float, dict[int, float]]] | None = None
 
 
-class OutputDelta(msgspec.Struct, array_like=True):
+class OutputDelta(msgspec.Struct, array_like=True, gc=False):
     """One parent request's progress in one engine iteration."""
 
     request_id: str
@@ -92,7 +92,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     error: str | None
     error_code: str | None
-    # RequestMetrics: arrival, first scheduled, first token, finished, preemptions.
+    # RequestMetrics: arrival, first scheduled, first token, finished, preemptions; sent until
+    # the first token, then only at the end (None in between: unchanged).
     metrics: tuple[float, float | None, float | None, float | None, int] | None
     # Prompt logprobs past ``prompt_logprobs_offset``: None entries, or {token: (logprob, rank)}.
     prompt_logprobs_offset: int = 0

@@ -21,6 +21,7 @@ then asks the core to stop, so a signal sent to the whole process group does not
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -104,6 +105,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         torch.manual_seed(config.model.seed)
         engine = LLMEngine(config)
         core = EngineCore(engine, outputs, fault_inject_step)
+        # The model, the tokenizer and the modules stay for the process's life: out of the
+        # collector's generations, the objects each step creates are collected without them.
+        gc.collect()
+        gc.freeze()
         outputs.send(encode(core.ready()))
         threading.Thread(target=core.read_inputs, args=(inputs, parent_pid), name="deepbatch-core-input",
                          daemon=True).start()
@@ -317,12 +322,22 @@ class EngineCore:
             prompt_logprobs = [None if entry is None else {t: (lp.logprob, lp.rank) for t, lp in entry.items()}
                                for entry in first.prompt_logprobs[prompt_offset:]]
             sent.num_prompt_logprobs = len(first.prompt_logprobs)
-        finished, num_cached, error, error_code, m = parent_state(children)
+        if len(children) == 1:  # the common case, without parent_state's generality
+            finished, error = first.is_finished, first.error
+        else:
+            finished, error = all(r.is_finished for r in children), next((r.error for r in children if r.error), None)
+        # The metrics change at the first token and at the end: sent then, carried over between.
+        metrics = None
+        if finished or error is not None or not sent.started:
+            _, num_cached, error, error_code, m = parent_state(children)
+            sent.started = first.first_token_time is not None
+            metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions)
+        else:
+            num_cached, error_code = max(first.num_cached_tokens, 0), None
         if finished:
             del self._sent[parent_id]
-        return OutputDelta(parent_id, completions, finished, num_cached, error, error_code,
-                           (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
-                            m.num_preemptions), prompt_offset, prompt_logprobs)
+        return OutputDelta(parent_id, completions, finished, num_cached, error, error_code, metrics, prompt_offset,
+                           prompt_logprobs)
 
 
 @dataclass
@@ -330,6 +345,7 @@ class _SentSoFar:
     # sample index -> (text chars, token ids, logprobs) already sent
     completions: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     num_prompt_logprobs: int = 0
+    started: bool = False  # metrics with a first token time were sent
 
 
 class _HealthCheck:
