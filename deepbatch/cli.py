@@ -148,6 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_stats_interval=envs.DEEPBATCH_LOG_STATS_INTERVAL,
         chat_template=chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        event_loop="auto" if envs.DEEPBATCH_ENGINE_PROCESS else "asyncio",
     )
     traces_endpoint = args.otlp_traces_endpoint or default_traces_endpoint()
     # Before the model loads: a missing OpenTelemetry install fails now.

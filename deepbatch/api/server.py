@@ -82,6 +82,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser names
     reasoning_parser: str | None = None  # deepseek_r1, qwen3
+    # uvicorn's event loop: "auto" takes uvloop when it is installed. With the engine stepped on a
+    # thread of this process (DEEPBATCH_ENGINE_PROCESS=0) "asyncio" serves more: uvloop holds the
+    # interpreter lock longer between switches, and the engine thread waits on it (docs/benchmarks.md).
+    event_loop: str = "auto"
 
 
 @dataclass
@@ -298,7 +302,7 @@ def run_server(engine: EngineClient, config: ServerConfig, tracer_provider=None)
         # byte it dislikes (DEL in X-Request-Id, a content type) with a plain-text 400 before the
         # app sees the request, where clients must get the OpenAI error body.
         http="h11",
-        loop="auto",  # uvloop when it is installed, asyncio otherwise
+        loop=config.event_loop,
         # Aborted requests answer within a step; this only bounds a stuck client write.
         timeout_graceful_shutdown=10,
         # An idle keep-alive connection stays open longer than clients and load balancers keep
