@@ -83,8 +83,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser names
     reasoning_parser: str | None = None  # deepseek_r1, qwen3
     # uvicorn's event loop: "auto" takes uvloop when it is installed. With the engine stepped on a
-    # thread of this process (DEEPBATCH_ENGINE_PROCESS=0) "asyncio" serves more: uvloop holds the
-    # interpreter lock longer between switches, and the engine thread waits on it (docs/benchmarks.md).
+    # thread of this process (DEEPBATCH_ENGINE_PROCESS=0) "asyncio" served a fifth more at
+    # saturation: the engine thread shares the interpreter lock with the loop (docs/benchmarks.md).
     event_loop: str = "auto"
 
 
