@@ -17,6 +17,7 @@ import torch
 
 from deepbatch.bench.timing import device_time_us
 from deepbatch.kernels import fused_moe as fm
+from deepbatch.kernels import moe_align as ma
 from deepbatch.kernels.silu_and_mul import silu_and_mul
 
 
@@ -52,7 +53,7 @@ def main():
         for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64,), (4, 8), (3, 4)):
             if bm > 2 * max(16, per_expert):  # tiles mostly padding at this batch
                 continue
-            sorted_ids, expert_ids, num_padded = fm.sort_pairs_by_expert(ids, e, bm)
+            sorted_ids, expert_ids, num_padded = ma.sort_pairs_by_expert(ids, e, bm)
             gate_up = torch.empty(t * k, 2 * inter, dtype=dtype, device=dev)
             down = torch.empty(t * k, hdim, dtype=dtype, device=dev)
 
@@ -92,7 +93,6 @@ def main():
 def align_sweep(args):
     """The pair sort at each token count (up to its MAX_PAIRS), per (chunk, num_warps), each
     checked against the torch sort."""
-    from deepbatch.kernels import moe_align as ma
 
     report = {"args": vars(args), "cases": []}
     for t in (int(x) for x in args.tokens.split(",")):
@@ -100,8 +100,8 @@ def align_sweep(args):
             continue
         g = torch.Generator("cuda").manual_seed(t)
         ids = torch.rand(t, args.experts, device="cuda", generator=g).topk(args.top_k, dim=-1).indices
-        want = fm.sort_pairs_by_expert(ids, args.experts, 16)
-        rows = [{"setting": "torch sort", "us": device_time_us(lambda: fm.sort_pairs_by_expert(ids, args.experts, 16), 50)}]
+        want = ma.sort_pairs_by_expert(ids, args.experts, 16)
+        rows = [{"setting": "torch sort", "us": device_time_us(lambda: ma.sort_pairs_by_expert(ids, args.experts, 16), 50)}]
         for chunk, warps in itertools.product((64, 128, 256, 512, 1024), (4, 8, 16)):
             name = f"chunk={chunk} warps={warps}"
             try:

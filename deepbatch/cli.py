@@ -16,12 +16,7 @@ import logging
 import sys
 
 from deepbatch import envs
-from deepbatch.engine_args import add_engine_args, engine_config, engine_kwargs_from_args
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    """The frozen EngineConfig of the engine flags, built by the builder behind ``LLM(...)``."""
-    return engine_config(**engine_kwargs_from_args(args))
+from deepbatch.engine_args import add_engine_args, add_queue_args, engine_config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,10 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-file", default=None, metavar="PATH",
                        help="API keys bound to tenants, one per line: 'KEY TENANT [priority_ceiling=N] "
                             "[max_concurrent=N]' ('#' comments); reloaded on SIGHUP; works beside --api-key")
-    serve.add_argument("--max-queued-requests", type=int, default=1024,
-                       help="waiting sequences beyond which requests get 429 (0: no limit)")
-    serve.add_argument("--max-queued-tokens", type=int, default=0,
-                       help="waiting prompt tokens beyond which requests get 429 (0: no limit)")
+    add_queue_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
     serve.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",

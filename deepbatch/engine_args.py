@@ -143,6 +143,21 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool,
                                 "continuous batching)")
 
 
+def add_queue_args(p: argparse.ArgumentParser) -> None:
+    """The bounds of the waiting queue beyond which requests get 429, for the engines that serve
+    (``deepbatch serve``, Ray Serve replicas)."""
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="waiting sequences beyond which requests get 429 (0: no limit)")
+    p.add_argument("--max-queued-tokens", type=int, default=0,
+                   help="waiting prompt tokens beyond which requests get 429 (0: no limit)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The frozen EngineConfig of a namespace parsed with ``add_engine_args``, built by the
+    builder behind ``LLM(...)``."""
+    return engine_config(**engine_kwargs_from_args(args))
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``engine_config`` keywords of a namespace parsed with ``add_engine_args``."""
     kwargs = {a.name: getattr(args, a.name) for a in engine_args()}

@@ -19,7 +19,8 @@ import torch
 
 import deepbatch.llm
 from deepbatch import engine_args
-from deepbatch.cli import build_parser, engine_config_from_args
+from deepbatch.cli import build_parser
+from deepbatch.engine_args import engine_config_from_args
 from deepbatch.config import default_device
 from deepbatch.engine_args import engine_config, flags_markdown, llm_parameters
 

@@ -12,7 +12,7 @@ from deepbatch.api.errors import APIError, error_response
 from deepbatch.engine.engine_client import EngineClient
 
 if TYPE_CHECKING:
-    from deepbatch.api.server import ServerConfig, ServerState
+    from deepbatch.api.server_config import ServerConfig, ServerState
 
 logger = logging.getLogger("deepbatch.server")
 

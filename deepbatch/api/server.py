@@ -23,7 +23,6 @@ import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -31,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import deepbatch
-from deepbatch.api.auth import KeyTable, load_keys
+from deepbatch.api.auth import load_keys
 from deepbatch.api.chat_output import load_parsers
 from deepbatch.api.chat_template import install_chat_template
 from deepbatch.api.dashboard import install_dashboard
@@ -47,16 +46,12 @@ from deepbatch.api.openapi import (
 )
 from deepbatch.api.request_body import body_parser
 from deepbatch.api.serving import OpenAIServing
+from deepbatch.api.server_config import EXIT_ENGINE_DEAD, EXIT_FORCED, EXIT_OK, ServerConfig, ServerState
 from deepbatch.api.serving_tokenize import TOKENIZE_MODELS, add_tokenize_routes
 from deepbatch.engine.engine_client import EngineClient
 from deepbatch.metrics.tracing import RequestTracer
 
 logger = logging.getLogger("deepbatch.server")
-
-EXIT_OK = 0  # drained (or stopped before serving)
-EXIT_ENGINE_DEAD = 1  # a model step failed
-# A second signal cut the drain short. Not 2: that is the command line's usage-error status.
-EXIT_FORCED = 3
 
 # Seconds an idle keep-alive connection stays open (see run_server).
 _KEEP_ALIVE_S = 65
@@ -66,43 +61,6 @@ _DEAD_EXIT_GRACE_S = 2.0
 # After a second signal, longest the error replies of in-flight requests may take to be written
 # before the connections are cut (a client that stops reading must not hold the exit up).
 _FORCED_FLUSH_S = 5.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    served_model_names: tuple[str, ...] = ()  # empty: the engine's model name
-    api_key: str | None = None
-    api_keys_file: str | None = None  # keys bound to tenants (deepbatch/api/auth.py); reloaded on SIGHUP
-    shutdown_timeout: float = 30.0
-    max_request_body_bytes: int = 4 << 20
-    log_stats_interval: float = 10.0
-    chat_template: str | None = None  # template text (loaded by chat_template.load_chat_template)
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # vLLM's --tool-call-parser names
-    reasoning_parser: str | None = None  # deepseek_r1, qwen3
-    # uvicorn's event loop: "auto" takes uvloop when it is installed. With the engine stepped on a
-    # thread of this process (DEEPBATCH_ENGINE_PROCESS=0) "asyncio" served a fifth more at
-    # saturation: the engine thread shares the interpreter lock with the loop (docs/benchmarks.md).
-    event_loop: str = "auto"
-
-
-@dataclass
-class ServerState:
-    draining: bool = False
-    forcing: bool = False  # a second signal arrived: in-flight requests are being failed
-    exit_code: int = EXIT_OK
-    keys: KeyTable | None = None  # None: no authentication
-    open_requests: int = 0  # HTTP requests whose reply has not been fully written
-    server: uvicorn.Server | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-    tasks: set = field(default_factory=set)
-
-    def spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self.tasks.add(task)  # a strong reference, so the task is not collected mid-flight
-        task.add_done_callback(self.tasks.discard)
 
 
 def add_generation_routes(app: FastAPI, serving: OpenAIServing, keys_on: bool, per_key: bool,

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import math
 import re
 import time
 import uuid
@@ -39,13 +38,13 @@ from deepbatch.api.protocol import (
     SamplingRequest,
 )
 from deepbatch.api.responses import ChoiceState, StreamSpec
+from deepbatch.api.serving_errors import engine_error, output_error, request_failure
 from deepbatch.api.serving_tools import ToolPlan, output_constraint, plan_tools
 from deepbatch.api.sse import SSEResponse, run_until_disconnect
 from deepbatch.api.structured import Constraint, param_alias, request_constraints, single, structured_outputs
-from deepbatch.engine.admission import QueueFullError
-from deepbatch.engine.engine_client import EngineClient, EngineDrainingError
+from deepbatch.engine.engine_client import EngineClient
 from deepbatch.engine.request_stream import RequestStream
-from deepbatch.core.errors import EngineDeadError, InvalidRequestError
+from deepbatch.core.errors import InvalidRequestError
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.metrics.tracing import RequestTracer
@@ -62,38 +61,6 @@ _TEMPLATE_CALL_ARGS = {"self", "messages", "conversation", "add_generation_promp
 _TEMPLATE_INPUTS = {"tools", "documents", "continue_final_message"}
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# The engine error about a request id can only come from a client-chosen one.
-_ID_ALIAS = {"request_id": "X-Request-Id"}
-
-
-def engine_error(e: Exception, param_alias: dict[str, str] | None = None) -> APIError:
-    """The HTTP answer to an error raised while accepting a request."""
-    if isinstance(e, InvalidRequestError):
-        param = _renamed(e.param, {**_ID_ALIAS, **(param_alias or {})})
-        message = e.message
-        if param != e.param and message.startswith(f"{e.param}: "):
-            message = f"{param}: {message[len(e.param) + 2:]}"
-        return APIError(400, message, param=param, code=e.code)
-    if isinstance(e, QueueFullError):
-        retry_after = max(1, math.ceil(e.retry_after))
-        return APIError(429, str(e), code="queue_full", headers={"Retry-After": str(retry_after)})
-    if isinstance(e, EngineDrainingError):
-        return APIError(503, str(e), code="server_draining")
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), code="engine_dead")
-    raise e
-
-
-def _renamed(param: str | None, aliases: dict[str, str]) -> str | None:
-    """``param`` under the client's name: an alias of it or of the field it is inside."""
-    if param is None:
-        return None
-    for engine_name, client_name in aliases.items():
-        if param == engine_name or param.startswith((f"{engine_name}.", f"{engine_name}[")):
-            return client_name
-    return param
-
-
 class OpenAIServing:
     def __init__(self, engine: EngineClient, served_model_names: list[str], tracer: RequestTracer | None = None,
                  parsers: ParserConfig | None = None):
@@ -328,13 +295,13 @@ class OpenAIServing:
         try:
             outs = await run_until_disconnect(raw, asyncio.gather(*(s.result() for s in streams)))
         except Exception as e:
-            raise _failure(e, self.engine) from None
+            raise request_failure(e, self.engine) from None
         finally:
             self._abort_unfinished(streams)
         if outs is not None:
             for out in outs:
                 if out.error:
-                    raise _request_error(out)
+                    raise output_error(out)
         return outs
 
     async def _stream(self, request_id: str, streams: list[RequestStream], spec: StreamSpec) -> AsyncIterator[str]:
@@ -350,7 +317,7 @@ class OpenAIServing:
                                                         choices=first))
             async for i, out in responses.merge(streams):
                 if out.error:
-                    yield responses.sse_error(_request_error(out))
+                    yield responses.sse_error(output_error(out))
                     break
                 if spec.prompt_only:
                     out = responses.without_generation(out)
@@ -382,7 +349,7 @@ class OpenAIServing:
                     yield responses.sse(chunk_cls(id=request_id, created=created, model=self.model_name, choices=[],
                                                   usage=usage))
         except Exception as e:  # the reply has started: the error goes into the stream, which still ends
-            yield responses.sse_error(_failure(e, self.engine))
+            yield responses.sse_error(request_failure(e, self.engine))
         finally:
             self._abort_unfinished(streams)
         yield "data: [DONE]\n\n"
@@ -403,21 +370,6 @@ def _check_prompt_logprobs(req: SamplingRequest) -> None:
         raise bad_request("`prompt_logprobs` are not available when `stream=True`", "prompt_logprobs")
 
 
-def _failure(e: Exception, engine: EngineClient) -> APIError:
-    """The answer to a request that failed after it was accepted."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, EngineDeadError):
-        if not engine.is_dead:  # stopped, not failed: a second signal cut the drain short
-            return APIError(503, "the server shut down before this request finished; retry on another replica",
-                            code="server_shutdown")
-        return APIError(500, str(e), code="engine_dead")
-    if isinstance(e, InvalidRequestError):  # refused by the engine thread's own checks
-        return engine_error(e)
-    logger.error("request failed", exc_info=e)
-    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
-
-
 def _named_arguments(fn) -> set[str]:
     """The names ``fn`` takes besides ``**kwargs``; empty when there is no ``fn``."""
     if fn is None:
@@ -427,12 +379,3 @@ def _named_arguments(fn) -> set[str]:
     except (TypeError, ValueError):
         return set()
     return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-
-def _request_error(out: RequestOutput) -> APIError:
-    """A request that failed in the engine: a 400 where its own input was at fault (a grammar its
-    model cannot complete), else a 500."""
-    if out.error_code == "invalid_grammar":
-        return APIError(400, out.error, code=out.error_code)
-    return APIError(500, out.error, code="request_failed")
-

@@ -21,7 +21,8 @@ from deepbatch.api.openapi import request_body
 from deepbatch.api.protocol import ChatMessage, check_encodable
 from deepbatch.api.protocol_base import Int32, _Request
 from deepbatch.api.protocol_tools import ToolDefinition
-from deepbatch.api.serving import OpenAIServing, engine_error
+from deepbatch.api.serving import OpenAIServing
+from deepbatch.api.serving_errors import engine_error
 from deepbatch.core.errors import InvalidRequestError
 
 

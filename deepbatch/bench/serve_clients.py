@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from deepbatch.bench.serve_metrics import RequestResult
+from deepbatch.bench.serve_requests import make_client, run_requests
 from deepbatch.bench.serve_workloads import RequestSpec
 
 # Time for every process to start and open its pool before the common start instant.
@@ -35,13 +36,11 @@ def shard_args(args: argparse.Namespace, num_processes: int) -> argparse.Namespa
 
 def _shard_main(args: argparse.Namespace, model: str, reqs: list[RequestSpec],
                 start_at: float) -> tuple[list[RequestResult], float]:
-    from deepbatch.bench import serve
-
     async def go():
-        async with serve.make_client(args) as client:
+        async with make_client(args) as client:
             # Wall clock, the one clock the processes share; each then times with its own.
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await serve.run_requests(client, model, reqs, args)
+            return await run_requests(client, model, reqs, args)
 
     return asyncio.run(go())
 

@@ -35,6 +35,19 @@ def max_shared_memory(device: torch.device) -> int:
     return _shared_memory_cache[index]
 
 
+_num_sms_cache: dict[torch.device, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; off CUDA those of an H100/H200, so that launch
+    choices under the interpreter are the ones a GPU makes."""
+    if device.type != "cuda":
+        return 132
+    if device not in _num_sms_cache:
+        _num_sms_cache[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms_cache[device]
+
+
 def jit(fn=None, *, do_not_specialize: tuple[str, ...] = ()):
     """``triton.jit`` when Triton is installed; else the plain function (never launched).
 

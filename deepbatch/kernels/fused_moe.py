@@ -11,7 +11,7 @@ multiple of ``BLOCK_M``, so every row tile of the grouped GEMM belongs to one ex
     sorted_ids:  [ e0 pairs | pad ][ e2 pairs ....... | pad ][ e5 | pad ] ...   (pad = T*K)
     expert_ids:  [ 0 ][ 2 ][ 2 ][ 5 ] ...                                        (one per tile)
 
-The sort (``kernels/moe_align.py``, one launch; the torch version here is its reference and the
+The sort (``kernels/moe_align.py``, one launch; its torch reference ``sort_pairs_by_expert`` is the
 path for large batches) is sized by host ints only (no device sync), so it can be captured in a
 CUDA graph.
 
@@ -38,6 +38,7 @@ from deepbatch.kernels.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_group_quant_fp8_ref,
 )
+from deepbatch.kernels.moe_align import moe_align
 from deepbatch.kernels.w8a8_fp8_gemm import w8a8_block_fp8_matmul_ref
 
 
@@ -173,31 +174,6 @@ def _grouped_gemm_kernel(
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """``(sorted_ids, expert_ids, num_padded)`` for the kernel (module docstring). ``sorted_ids``
-    lists pair indices ``t*K + k`` grouped by expert, each group padded with ``T*K`` to a multiple
-    of ``block_m``; ``expert_ids`` names the expert of each ``block_m`` tile; ``num_padded`` is the
-    used length (a one-element tensor). Tiles past it are never read."""
-    flat = topk_ids.flatten().long()
-    num_pairs = flat.numel()
-    # scatter_add, not bincount: bincount sizes its output from the data (a device sync).
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    # The pair's rank inside its expert's run, moved from the unpadded to the padded layout.
-    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    dest = (padded_end - padded)[sorted_experts] + rank
-    # Only experts that got a pair are padded: at most min(E, T*K) runs of block_m - 1.
-    capacity = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
-    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    tile_start = torch.arange(0, capacity, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
-
-
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, name="fused_moe", fp8_block=None):
     """Raises ValueError on a bad call; with ``fp8_block = (w13_scale, w2_scale, block_size)``
     checks the FP8 block-wise form and returns ``(bn, bk)``."""
@@ -285,7 +261,6 @@ def fused_moe(
             cap = torch.cuda.get_device_capability(x.device)
             raise RuntimeError(f"fused_moe: float8_e4m3fn needs a GPU of compute capability 8.9 or newer, "
                                f"{x.device} is {cap[0]}.{cap[1]}; use fused_moe_fp8_block_ref")
-    from deepbatch.kernels.moe_align import moe_align
     from deepbatch.kernels.silu_and_mul import silu_and_mul
 
     num_tokens, hidden = x.shape

@@ -19,7 +19,7 @@ import torch
 
 from deepbatch.kernels.common import jit as _jit
 from deepbatch.kernels.common import tl, triton
-from deepbatch.kernels.w4a16_gemm import _check_weights
+from deepbatch.kernels.w4a16_gemm import check_int4_weights
 
 # Elements each program writes: enough work per program to hide the load latency of a memory-bound
 # kernel; at most 128 x 64 values held in registers by 4 warps.
@@ -83,7 +83,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     contiguous ``W [N, K]`` in ``scales``' dtype."""
     if triton is None:
         raise RuntimeError("dequantize_int4: Triton is not installed; use dequantize_int4_ref")
-    k, n = _check_weights("dequantize_int4", qweight, scales, zeros, group_size)
+    k, n = check_int4_weights("dequantize_int4", qweight, scales, zeros, group_size)
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             raise ValueError(f"dequantize_int4: {name} needs a contiguous last dimension, strides {t.stride()}")

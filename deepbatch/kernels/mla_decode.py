@@ -34,8 +34,9 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.kv_quant import check_latent_scale, dequantize_latent_ref, fp16_query, quant_limit
-from deepbatch.kernels.paged_attention import _choose_kv_splits, _find_seq, gather_kv
-from deepbatch.kernels.common import (check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl,
+from deepbatch.kernels.mla_checks import check_mla_inputs
+from deepbatch.kernels.paged_batch import choose_kv_splits, find_seq, gather_kv
+from deepbatch.kernels.common import (jit as _jit, max_shared_memory, tl,
                                       triton)
 
 
@@ -112,7 +113,7 @@ def _mla_attention_kernel(
     head_block = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    seq = find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
@@ -209,38 +210,7 @@ def _mla_attention_kernel(
 
 
 _LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_MAX = 2**31 - 1
-
-
-def _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
-                  out, latent_scale=None, name="mla_attention") -> bool:
-    """Whether the latent cache is 8-bit, for valid inputs."""
-    def fail(msg):
-        raise ValueError(f"{name}: {msg}")
-
-    if q_latent.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_latent.shape[:2]:
-        fail(f"q_latent and q_pe must be [T, H, R] and [T, H, P], got {tuple(q_latent.shape)} and {tuple(q_pe.shape)}")
-    rank, rope = q_latent.shape[2], q_pe.shape[2]
-    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != rank + rope:
-        fail(f"latent_cache must be [num_blocks, block_size, 1, R+P={rank + rope}], got {tuple(latent_cache.shape)}")
-    if rank < 16 or rope < 1 or rank > 1024 or rope > 256:
-        fail(f"R must lie in [16, 1024] and P in [1, 256], got R={rank}, P={rope}")
-    if q_latent.dtype not in _DTYPES:
-        fail(f"q_latent dtype {q_latent.dtype} is not one of {_DTYPES}")
-    quantized = check_latent_scale(fail, latent_cache, latent_scale)
-    # An 8-bit cache is read with the query's dtype; any other cache must have it.
-    check_like(fail, "q_latent", q_latent, (("q_pe", q_pe), ("out", out)) if quantized
-               else (("q_pe", q_pe), ("latent_cache", latent_cache), ("out", out)))
-    if quantized:
-        check_like(fail, "latent_cache", latent_cache, ())
-        if latent_cache.device != q_latent.device:
-            fail(f"latent_cache is on {latent_cache.device}, q_latent on {q_latent.device}")
-    if out is not None and out.shape != q_latent.shape:
-        fail(f"out shape {tuple(out.shape)} != q_latent shape {tuple(q_latent.shape)}")
-    check_paged_metadata(fail, q_latent.device, q_latent.shape[0], latent_cache.shape[1], block_tables,
-                         query_start_loc, seq_lens, max_query_len, max_seq_len)
-    return quantized
 
 
 def mla_attention(
@@ -274,7 +244,7 @@ def mla_attention(
     per-token scales (module docstring), None for a cache in the query's dtype."""
     if triton is None:
         raise RuntimeError("mla_attention: Triton is not installed; use mla_attention_ref")
-    _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
+    check_mla_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len,
                   out, latent_scale)
     if num_kv_splits is not None and (num_kv_splits < 1 or (num_kv_splits > 1 and max_query_len > 1)):
         raise ValueError(f"mla_attention: num_kv_splits={num_kv_splits} must be None or >= 1, and > 1 only "
@@ -310,7 +280,7 @@ def mla_attention(
             # One program per SM is enough here: each is busy with 16 heads x 576 dims per key. At
             # 256 sequences of 640..1,920 tokens (DeepSeek-V2-Lite, bf16, H200) one pass took 259 us
             # against 304-348 us split in 2-4 (benchmarks/mla_sweep.py).
-            num_kv_splits = _choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device, programs_per_sm=1)
+            num_kv_splits = choose_kv_splits(num_seqs, head_blocks, max_seq_len, q_latent.device, programs_per_sm=1)
     args = (q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale)
     if num_kv_splits == 1 and (max_query_len <= 1 or q_len_cap == 1) and q_latent.element_size() == 2:
         # One-pass decodes in 16 bits: the transposed tile makes the latent the MMA's long side

@@ -22,7 +22,7 @@ import torch
 
 from deepbatch.kernels.common import jit as _jit, max_shared_memory, tl, triton
 from deepbatch.kernels.kv_quant import fp16_query, quant_limit
-from deepbatch.kernels.mla_decode import _check_inputs
+from deepbatch.kernels.mla_checks import check_mla_inputs
 
 # Heads per program: the N of both dots. The float32 accumulator is [R, BLOCK_H]; at R = 512 and
 # 4 warps, 16 heads already take 64 registers a thread.
@@ -161,7 +161,7 @@ def mla_decode_swap_ab(
     an 8-bit cache's per-token scales (``kernels/kv_quant.py``)."""
     if triton is None:
         raise RuntimeError("mla_decode_swap_ab: Triton is not installed; use mla_attention_ref")
-    _check_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, min(1, q_latent.shape[0]),
+    check_mla_inputs(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, min(1, q_latent.shape[0]),
                   max_seq_len, out, latent_scale, name="mla_decode_swap_ab")
     if tile_n is not None and (tile_n < 16 or tile_n & (tile_n - 1)):
         raise ValueError(f"mla_decode_swap_ab: tile_n must be a power of two >= 16, got {tile_n}")

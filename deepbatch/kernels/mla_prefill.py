@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.common import check_like, jit as _jit, tl, triton
-from deepbatch.kernels.paged_attention import _find_seq
+from deepbatch.kernels.paged_batch import find_seq
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,7 +132,7 @@ def _mla_prefill_kernel(
 ):
     q_block_global = tl.program_id(0)
     head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_M)
+    seq = find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_global - (q_start // BLOCK_M + seq)

@@ -1,6 +1,6 @@
 """Sorting a MoE batch's (token, expert) pairs by expert for the grouped GEMM, in one launch.
 
-Same output as :func:`deepbatch.kernels.fused_moe.sort_pairs_by_expert` (its torch reference):
+Same output as :func:`sort_pairs_by_expert` (its torch reference, below):
 ``sorted_ids`` lists pair indices ``t*K + k`` grouped by expert in increasing order, each group
 padded with ``T*K`` to a multiple of ``block_m``; ``expert_ids`` names each tile's expert;
 ``num_padded`` is the used length. The torch version is about fifteen small kernels (a radix sort,
@@ -21,9 +21,33 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.common import jit as _jit, tl, triton
-from deepbatch.kernels.fused_moe import sort_pairs_by_expert
 
 MAX_PAIRS = 16384  # above this the torch sort's parallelism wins over one program's walk
+
+
+def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """``(sorted_ids, expert_ids, num_padded)`` for the kernel (module docstring). ``sorted_ids``
+    lists pair indices ``t*K + k`` grouped by expert, each group padded with ``T*K`` to a multiple
+    of ``block_m``; ``expert_ids`` names the expert of each ``block_m`` tile; ``num_padded`` is the
+    used length (a one-element tensor). Tiles past it are never read."""
+    flat = topk_ids.flatten().long()
+    num_pairs = flat.numel()
+    # scatter_add, not bincount: bincount sizes its output from the data (a device sync).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    # The pair's rank inside its expert's run, moved from the unpadded to the padded layout.
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    # Only experts that got a pair are padded: at most min(E, T*K) runs of block_m - 1.
+    capacity = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    tile_start = torch.arange(0, capacity, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
 
 
 @_jit(do_not_specialize=("num_pairs", "capacity"))

@@ -31,15 +31,9 @@ from __future__ import annotations
 
 import torch
 from deepbatch.kernels.common import check_like, check_paged_metadata, jit as _jit, max_shared_memory, tl, triton
-from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, fp16_query, quant_mode
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
-    """Cached tokens ``start .. seq_len-1`` of one sequence: ``[seq_len - start, H, D]``. Block-table
-    entries before ``start``'s block are not read."""
-    bs = cache.shape[1]
-    first, nb = start // bs, -(-seq_len // bs)
-    return cache[block_table[first:nb].long()].flatten(0, 1)[start - first * bs : seq_len - first * bs]
+from deepbatch.kernels.attend_kv_range import LOG2E, attend_kv_range
+from deepbatch.kernels.paged_batch import choose_kv_splits, find_seq, gather_kv
+from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs, check_kv_scales, dequantize_ref, quant_mode
 
 
 def gather_dequant(cache: torch.Tensor, kv_scale, block_table: torch.Tensor, seq_len: int,
@@ -66,8 +60,8 @@ def _fail(msg):
     raise ValueError(f"paged_attention: {msg}")
 
 
-def _scales(k_cache, v_cache, k_scale, v_scale):
-    """The scales the references pass to :func:`dequantize_ref` (checked like the kernels')."""
+def reference_kv_scales(k_cache, v_cache, k_scale, v_scale):
+    """The scales the torch references pass to :func:`dequantize_ref` (checked like the kernels')."""
     mode, k_float, v_float = check_kv_scales(_fail, k_cache, v_cache, k_scale, v_scale)
     return (None, None) if mode == 0 else (k_float, v_float) if mode == 1 else (k_scale, v_scale)
 
@@ -87,7 +81,7 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Plain PyTorch reference, one sequence at a time, in float32."""
     check_sliding_window(_fail, sliding_window)
-    k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
+    k_scale, v_scale = reference_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -121,100 +115,6 @@ def paged_attention_ref(
 #     row r  ->  query token  q_block * BLOCK_Q + r // G,   query head  kv_head * G + r % G
 #
 # Rows past ``BLOCK_Q * G`` or past the chunk's end are masked.
-@_jit
-def _attend_kv_range(
-    q, q_pos, m_i, l_i, acc,
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head, kv_start, kv_end, scale_log2e,
-    window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_sb, stride_st, stride_sh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, KV_QUANT: tl.constexpr, SLIDING: tl.constexpr,
-):
-    """Online-softmax update of ``(m_i, l_i, acc)`` with keys ``kv_start .. kv_end-1``; row ``r``
-    sees key ``n`` iff ``n <= q_pos[r]`` (and, ``SLIDING``, ``n > q_pos[r] - window``). ``m_i`` is
-    in log2 units (scores scaled by log2 e). ``kv_start`` need not be tile-aligned: tiles are
-    ``TILE_N`` keys from it, and no key outside ``[kv_start, kv_end)`` is read.
-    ``MASKED=False`` promises whole tiles that every row sees, and skips all masking.
-    ``KV_QUANT`` (``kernels/kv_quant.py``): 8-bit tiles meet the query in fp16 dots
-    (``fp16_query``): with bf16 operands the widening, not the halved bytes, bounded a decode
-    (1.6 TB/s of fp8 KV against 4.0 TB/s of bf16 on an H200, ``benchmarks/attention_sweep.py
-    --kv-cache-dtype fp8``). Mode 2 scales score columns by the keys' scales and probabilities
-    by the values' (mode 1's per-layer scales the caller folds in)."""
-    if KV_QUANT != 0:
-        q = fp16_query(q)
-    dims = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, TILE_N)
-    for start in range(kv_start, kv_end, TILE_N):
-        k_pos = start + offs_n
-        k_valid = k_pos < kv_end
-        # Gather by token, not by block: TILE_N and BLOCK_SIZE are then free of each other.
-        if MASKED:
-            block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-        else:
-            block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE)
-        block = block.to(tl.int64)
-        in_block = k_pos % BLOCK_SIZE
-        k_ptrs = k_cache_ptr + (block * stride_kb + in_block * stride_kt + kv_head * stride_kh)[None, :] + dims[:, None]
-        v_ptrs = v_cache_ptr + (block * stride_vb + in_block * stride_vt + kv_head * stride_vh)[:, None] + dims[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=k_valid[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        if KV_QUANT != 0:
-            k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N]
-        if KV_QUANT == 2:
-            s_ptrs = block * stride_sb + in_block * stride_st + kv_head * stride_sh
-            if MASKED:
-                k_s = tl.load(k_scale_ptr + s_ptrs, mask=k_valid, other=0.0)
-                v_s = tl.load(v_scale_ptr + s_ptrs, mask=k_valid, other=0.0)
-            else:
-                k_s = tl.load(k_scale_ptr + s_ptrs)
-                v_s = tl.load(v_scale_ptr + s_ptrs)
-            s = s * (k_s * scale_log2e)[None, :]
-        else:
-            s = s * scale_log2e
-        if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-            if SLIDING:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no key yet keeps m = -inf; subtracting 0 avoids inf - inf.
-            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=k_valid[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        if KV_QUANT != 0:
-            v = v.to(q.dtype)
-        if KV_QUANT == 2:
-            p = p * v_s[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@_jit
-def _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q: tl.constexpr):
-    """The sequence owning flat q block ``q_block_global``. Sequence ``i``'s blocks start at
-    ``query_start_loc[i] // BLOCK_Q + i``: strictly increasing, and each sequence gets at least
-    ``cdiv(q_len, BLOCK_Q)`` of them, so ``T // BLOCK_Q + B`` blocks cover any batch."""
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_global:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 @_jit(do_not_specialize=("num_seqs", "min_q_len", "max_q_len", "stride_bt"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
@@ -227,7 +127,7 @@ def _paged_attention_kernel(
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
+    seq = find_seq(query_start_loc_ptr, q_block_global, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_global - (q_start // BLOCK_Q + seq)
@@ -268,17 +168,17 @@ def _paged_attention_kernel(
     full_end = full_start + tl.maximum(q_first + 1 - full_start, 0) // TILE_N * TILE_N
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if SLIDING:
-        m_i, l_i, acc = _attend_kv_range(
+        m_i, l_i, acc = attend_kv_range(
             q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
             kv_lo, full_start, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
         )
-    m_i, l_i, acc = _attend_kv_range(
+    m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
         full_start, full_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT, SLIDING,
     )
-    m_i, l_i, acc = _attend_kv_range(
+    m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
         full_end, kv_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
@@ -292,7 +192,6 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-_LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -329,30 +228,6 @@ def _check_inputs(query, k_cache, v_cache, block_tables, query_start_loc, seq_le
     check_paged_metadata(fail, query.device, query.shape[0], k_cache.shape[1], block_tables, query_start_loc, seq_lens,
                          max_query_len, max_seq_len)
     return check_kv_scales(fail, k_cache, v_cache, k_scale, v_scale)
-
-
-_num_sms_cache: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # an H100/H200: keeps the path choice under the interpreter the same as on a GPU
-    if device not in _num_sms_cache:
-        _num_sms_cache[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _num_sms_cache[device]
-
-
-def _choose_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      programs_per_sm: int = 4) -> int:
-    """Split while the (seq, kv head) programs number under ``programs_per_sm`` per SM and each
-    split still streams at least 512 keys. Measured on an H200 (32 query / 8 KV heads, d=128,
-    bf16): 4 x 32k contexts ran 6x faster with 16 splits, 16 x 8k 1.9x faster with 4; 128 x 2k
-    streams KV at about 4 TB/s unsplit."""
-    programs = num_seqs * num_kv_heads
-    target = programs_per_sm * _num_sms(device)
-    if programs == 0 or programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), max_seq_len // 512, 64))
 
 
 def paged_attention(
@@ -405,7 +280,7 @@ def paged_attention(
         if max_query_len <= 1:
             # A decode reads at most a window of keys, however long its sequence.
             num_keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-            num_kv_splits = _choose_kv_splits(num_seqs, num_kv_heads, num_keys, query.device)
+            num_kv_splits = choose_kv_splits(num_seqs, num_kv_heads, num_keys, query.device)
     if num_kv_splits > 1:
         from deepbatch.kernels.paged_decode_split_kv import paged_decode_split_kv
 
@@ -460,7 +335,7 @@ def _launch(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sc
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, *kv.pointers(k_cache), out, block_tables, query_start_loc, seq_lens,
-        scale * kv.k_factor * _LOG2E, kv.out_scale, num_seqs, min_q_len, max_q_len, sliding_window or 0,
+        scale * kv.k_factor * LOG2E, kv.out_scale, num_seqs, min_q_len, max_q_len, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),

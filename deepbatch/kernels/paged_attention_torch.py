@@ -9,13 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from deepbatch.kernels.kv_quant import dequantize_ref
-from deepbatch.kernels.paged_attention import (
-    _fail,
-    _scales,
-    check_sliding_window,
-    first_key,
-    gather_dequant,
-)
+from deepbatch.kernels.paged_attention import check_sliding_window, first_key, gather_dequant, reference_kv_scales
+
+
+def _fail(msg):
+    raise ValueError(f"paged_attention: {msg}")
 
 
 def paged_attention_torch(
@@ -37,7 +35,7 @@ def paged_attention_torch(
     An 8-bit cache is dequantized to the query's dtype as its blocks are gathered. With a
     window, only the keys inside it are gathered."""
     check_sliding_window(_fail, sliding_window)
-    k_scale, v_scale = _scales(k_cache, v_cache, k_scale, v_scale)
+    k_scale, v_scale = reference_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]

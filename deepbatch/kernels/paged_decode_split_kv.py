@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.kv_quant import NO_SCALES, KVScaleArgs
-from deepbatch.kernels.paged_attention import _LOG2E, _attend_kv_range, _jit, tl, triton
+from deepbatch.kernels.attend_kv_range import LOG2E, attend_kv_range
+from deepbatch.kernels.common import jit as _jit
+from deepbatch.kernels.common import tl, triton
 
 
 @_jit(do_not_specialize=("num_splits", "stride_bt"))
@@ -65,12 +67,12 @@ def _paged_decode_split_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Every key of the range is visible, so only the sequence's last partial tile needs masks.
     full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // TILE_N * TILE_N
-    m_i, l_i, acc = _attend_kv_range(
+    m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
         kv_start, full_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, False, KV_QUANT, SLIDING,
     )
-    m_i, l_i, acc = _attend_kv_range(
+    m_i, l_i, acc = attend_kv_range(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table_ptr, kv_head,
         full_end, kv_end, scale_log2e, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_sb, stride_st, stride_sh, HEAD_DIM, BLOCK_SIZE, TILE_N, PRECISION, True, KV_QUANT, SLIDING,
@@ -140,7 +142,7 @@ def paged_decode_split_kv(
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, *kv.pointers(k_cache), block_tables, query_start_loc, seq_lens, part_out, part_lse,
-        scale * kv.k_factor * _LOG2E, kv.out_scale, num_splits, sliding_window or 0,
+        scale * kv.k_factor * LOG2E, kv.out_scale, num_splits, sliding_window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *kv.strides, block_tables.stride(0),

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from deepbatch.kernels.common import jit as _jit
-from deepbatch.kernels.common import max_shared_memory, tl, triton
+from deepbatch.kernels.common import max_shared_memory, num_sms, tl, triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NIBBLE_SHIFTS = tuple(4 * i for i in range(8))
@@ -64,7 +64,7 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(rows * 8, n)
 
 
-def _check_weights(fn: str, qweight, scales, zeros, group_size) -> tuple[int, int]:
+def check_int4_weights(fn: str, qweight, scales, zeros, group_size) -> tuple[int, int]:
     """Shapes and dtypes of the quantized weight; returns ``(K, N)``."""
     if not all(isinstance(t, torch.Tensor) for t in (qweight, scales, zeros)):
         _fail(fn, "qweight, scales and zeros must be tensors")
@@ -90,7 +90,7 @@ def _check_weights(fn: str, qweight, scales, zeros, group_size) -> tuple[int, in
 
 
 def _check_inputs(fn: str, x, qweight, scales, zeros, group_size, bias) -> tuple[int, int]:
-    k, n = _check_weights(fn, qweight, scales, zeros, group_size)
+    k, n = check_int4_weights(fn, qweight, scales, zeros, group_size)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         _fail(fn, f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x))}")
     if x.shape[1] != k:
@@ -111,7 +111,7 @@ def _check_inputs(fn: str, x, qweight, scales, zeros, group_size, bias) -> tuple
 def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         group_size: int) -> torch.Tensor:
     """The dense weight ``W [N, K]`` in ``scales``' dtype (computed in float32, rounded once)."""
-    k, _ = _check_weights("dequantize_int4_ref", qweight, scales, zeros, group_size)
+    k, _ = check_int4_weights("dequantize_int4_ref", qweight, scales, zeros, group_size)
     group = torch.arange(k, device=qweight.device) // group_size  # the group of each input channel
     q = unpack_int4(qweight).to(torch.float32)
     w = (q - zeros.to(torch.float32)[group]) * scales.to(torch.float32)[group]  # [K, N]
@@ -238,15 +238,6 @@ _SPLIT_K_MAX_M = 256
 _SPLIT_K_PROGRAMS_PER_SM = 4
 _SPLIT_K_MIN_TILES = 4  # K tiles each split streams at least, so the partials stay cheap
 _SPLIT_K_MAX = 8
-_num_sms_cache: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # an H200: keeps the path choice under the interpreter the same as on a GPU
-    if device not in _num_sms_cache:
-        _num_sms_cache[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _num_sms_cache[device]
 
 
 def _largest_pow2_divisor(n: int) -> int:
@@ -280,7 +271,7 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, de
     if split_k is None:
         split_k = 1
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        target = _SPLIT_K_PROGRAMS_PER_SM * _num_sms(device)
+        target = _SPLIT_K_PROGRAMS_PER_SM * num_sms(device)
         if m <= _SPLIT_K_MAX_M and tiles < target:
             want = 1 << (triton.cdiv(target, tiles).bit_length() - 1)  # a power of two at most that
             split_k = max(1, min(want, k_tiles // _SPLIT_K_MIN_TILES, _SPLIT_K_MAX))

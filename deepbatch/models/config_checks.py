@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepbatch.layers.rotary import rope_parameters
-from deepbatch.models.registry import architecture_of
+from deepbatch.models.architectures import architecture_of
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # Rope types whose tables are fixed at load: "dynamic" and "longrope" change their frequencies

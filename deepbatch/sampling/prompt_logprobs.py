@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepbatch.core.request import Request
-from deepbatch.sampling.sampler import to_host
+from deepbatch.sampling.host_copy import to_host
 
 # Logits (and their log-softmax) held at once for prompt rows: 64 MiB of float32 each.
 _MAX_LOGIT_ELEMENTS = 1 << 24

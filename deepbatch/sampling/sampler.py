@@ -31,6 +31,7 @@ import torch
 from deepbatch.core.request import Request
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
+from deepbatch.sampling.host_copy import copy_to_host
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.seeded_noise import seeded_exponential
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
@@ -78,16 +79,16 @@ class PendingSample:
         self._params = params
         self._errors = errors
         pin = token_ids.device.type == "cuda"
-        self._nan_rows = _to_host(nan_rows, pin) if nan_rows is not None else None
-        self._host = [_to_host(token_ids, pin)]
+        self._nan_rows = copy_to_host(nan_rows, pin) if nan_rows is not None else None
+        self._host = [copy_to_host(token_ids, pin)]
         self._k_max = 0
         if logprobs is not None:
             self._k_max = max((p.logprobs or 0) for p in params)
             chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            self._host.append(_to_host(chosen, pin))
+            self._host.append(copy_to_host(chosen, pin))
             if self._k_max > 0:
                 vals, ids = logprobs.topk(self._k_max, dim=-1)
-                self._host += [_to_host(vals, pin), _to_host(ids, pin)]
+                self._host += [copy_to_host(vals, pin), copy_to_host(ids, pin)]
         self._prompt: PendingPromptLogprobs | None = None
         self._event = None
         self._record()
@@ -132,19 +133,6 @@ class PendingSample:
             prompt = self._prompt.resolve() if self._prompt is not None else None
             self._resolved = SamplerOutput(token_ids, logprobs, errors or None, prompt)
         return self._resolved
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s copy on the host, queued behind the kernels that make it (pinned on a GPU)."""
-    return _to_host(t, t.device.type == "cuda")
-
-
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    if not pin:
-        return t.cpu()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 class Sampler:

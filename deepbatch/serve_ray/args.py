@@ -18,20 +18,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# Fields of `deepbatch serve` that belong to the engine replica but not to `generate`.
-_QUEUE_ARGS = ("max_queued_requests", "max_queued_tokens")
-
+from deepbatch.engine_args import add_engine_args, add_queue_args
 
 @functools.cache
 def _parsers():
-    from deepbatch.cli import build_parser
-
-    parser = build_parser()
-    serve = vars(parser.parse_args(["serve"]))
-    generate = vars(parser.parse_args(["generate", "-"]))
-    # The engine's flags are the ones `serve` and `generate` share; the rest are either's own.
-    keys = (set(serve) & set(generate)) - {"command", "func"} | set(_QUEUE_ARGS)
-    return parser, {k: serve[k] for k in keys}
+    """A parser of the engine's arguments and the queue bounds (``deepbatch serve``'s engine
+    flags, from the one place they are declared), and their defaults."""
+    parser = argparse.ArgumentParser(prog="engine_args", add_help=False)
+    add_engine_args(parser, positional_model=False)
+    add_queue_args(parser)
+    return parser, vars(parser.parse_args([]))
 
 
 def engine_arg_defaults() -> dict[str, Any]:
@@ -71,7 +67,7 @@ def engine_namespace(engine_args: dict[str, Any], where: str = "engine_args") ->
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            ns = parser.parse_args(["serve", *argv])
+            ns = parser.parse_args(argv)
     except SystemExit:
         message = stderr.getvalue().strip().splitlines()
         raise ValueError(f"{where}: {message[-1] if message else 'invalid engine arguments'}") from None

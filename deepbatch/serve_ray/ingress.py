@@ -33,7 +33,8 @@ from deepbatch.api.protocol import (
 )
 from deepbatch.api.gate import Gate
 from deepbatch.api.request_body import read_json_object
-from deepbatch.api.server import ServerState, add_generation_routes
+from deepbatch.api.server import add_generation_routes
+from deepbatch.api.server_config import ServerState
 from deepbatch.api.serving import OpenAIServing
 from deepbatch.serve_ray.args import AppArgs, engine_namespace
 from deepbatch.serve_ray.client import Frontend, RoutedEngineClient

@@ -19,6 +19,7 @@ from ray import serve
 from deepbatch import envs
 from deepbatch.api.metrics import engine_stats
 from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine_args import engine_config_from_args
 from deepbatch.serve_ray.args import engine_namespace
 from deepbatch.serve_ray.protocol import REFUSED, Accepted, EngineCall, Refusal
 
@@ -33,8 +34,6 @@ class EngineReplica:
     def __init__(self, engine_args: dict, arm: str, fault_inject_step_delay_s: float = 0.0,
                  fault_inject_fail_every: int = 0):
         import torch
-
-        from deepbatch.cli import engine_config_from_args
 
         args = engine_namespace(engine_args)
         torch.manual_seed(args.seed)

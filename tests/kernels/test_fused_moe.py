@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from deepbatch.kernels.fused_moe import fused_moe, fused_moe_ref, sort_pairs_by_expert  # noqa: E402
+from deepbatch.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from deepbatch.kernels.moe_align import sort_pairs_by_expert  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("triton")
 
 from deepbatch.kernels import moe_align as ma  # noqa: E402
-from deepbatch.kernels.fused_moe import sort_pairs_by_expert  # noqa: E402
+from deepbatch.kernels.moe_align import sort_pairs_by_expert  # noqa: E402
 
 
 def routed(num_tokens, num_experts, top_k, skew=False, seed=0):

@@ -19,11 +19,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from deepbatch.kernels.paged_attention import (  # noqa: E402
-    _choose_kv_splits,
-    paged_attention,
-    paged_attention_ref,
-)
+from deepbatch.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from deepbatch.kernels.paged_batch import choose_kv_splits  # noqa: E402
 from deepbatch.kernels.paged_attention_torch import paged_attention_torch  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -133,9 +130,9 @@ def test_decode_batch_one_pass_and_auto_choice():
 
 def test_split_choice_heuristic():
     cpu = torch.device("cpu")
-    assert _choose_kv_splits(num_seqs=2, num_kv_heads=8, max_seq_len=8192, device=cpu) > 1
-    assert _choose_kv_splits(num_seqs=256, num_kv_heads=8, max_seq_len=8192, device=cpu) == 1
-    assert _choose_kv_splits(num_seqs=2, num_kv_heads=8, max_seq_len=300, device=cpu) == 1
+    assert choose_kv_splits(num_seqs=2, num_kv_heads=8, max_seq_len=8192, device=cpu) > 1
+    assert choose_kv_splits(num_seqs=256, num_kv_heads=8, max_seq_len=8192, device=cpu) == 1
+    assert choose_kv_splits(num_seqs=2, num_kv_heads=8, max_seq_len=300, device=cpu) == 1
 
 
 @pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "all-decode"])

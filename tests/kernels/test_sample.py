@@ -4,7 +4,6 @@ batches it covers. On the CPU through the Triton interpreter (one Philox program
 milliseconds there, so the draws below are counted in hundreds)."""
 
 import os
-import re
 
 import torch
 
@@ -21,7 +20,7 @@ import deepbatch.sampling.sampler as sampler_mod  # noqa: E402
 from sm90_build import build_for_sm90  # noqa: E402
 from deepbatch.core.request import Request  # noqa: E402
 from deepbatch.core.sampling_params import SamplingParams  # noqa: E402
-from deepbatch.kernels.sample import _gumbel_max_kernel, counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
+from deepbatch.kernels.sample import counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
 from deepbatch.sampling.sampler import Sampler  # noqa: E402
 
 NEG_INF = float("-inf")

@@ -22,7 +22,6 @@ import math
 
 import torch
 
-from deepbatch.kernels.common import triton
 from deepbatch.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -31,39 +30,13 @@ from deepbatch.layers.quantization.base import (
     require_option,
     shard_param,
 )
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-
-
-def _use_kernels(x: torch.Tensor) -> bool:
-    """The Triton kernels on a GPU with FP8 tensor cores (Ada, Hopper and later); the torch
-    reference elsewhere (the CPU, older GPUs), which gives the same numbers more slowly."""
-    if not x.is_cuda or triton is None:
-        return False
-    from deepbatch.kernels.fp8_quant import native_fp8_supported
-
-    return native_fp8_supported(x.device)
-
-
-def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w_q e4m3 [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)])`` with ``w ~= w_q * scale``
-    per block (each block's largest magnitude maps to 448): DeepSeek-V3's layout."""
-    bn, bk = block
-    n, k = w.shape
-    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
-    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
-    padded[:n, :k] = w.float()
-    tiles = padded.view(nb, bn, kb, bk)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [nb, kb]
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(nb * bn, kb * bk)[:n, :k]
-    return q.to(FP8), scale
-
-
-def quantize_fp8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w_q e4m3 [N, K], scale float32 [N, 1])``: one scale per output channel."""
-    scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+from deepbatch.layers.quantization.fp8_weights import (  # noqa: F401 - quantize_fp8_blocks: also this module's API
+    FP8,
+    FP8_MAX,
+    quantize_fp8_blocks,
+    quantize_fp8_channels,
+    use_fp8_kernels,
+)
 
 
 class Fp8BlockLinearMethod(LinearMethod):
@@ -90,7 +63,7 @@ class Fp8BlockLinearMethod(LinearMethod):
 
         bk = self.block_size[1]  # activations are quantized in groups of the weight block's columns
         x2 = x.reshape(-1, x.shape[-1])
-        if _use_kernels(x):
+        if use_fp8_kernels(x):
             x_q, x_s = fp8_quant.per_token_group_quant_fp8(x2, bk)
             y = w8a8_fp8_gemm.w8a8_block_fp8_matmul(x_q, x_s, layer.weight, layer.weight_scale_inv,
                                                     self.block_size, x.dtype)
@@ -132,7 +105,7 @@ class Fp8ChannelLinearMethod(LinearMethod):
 
         x2 = x.reshape(-1, x.shape[-1])
         k = x2.shape[-1]
-        if _use_kernels(x):
+        if use_fp8_kernels(x):
             x_q, x_s = fp8_quant.per_token_group_quant_fp8(x2, k)
             y = w8a8_fp8_gemm.w8a8_channel_fp8_matmul(x_q, x_s, layer.weight, layer.weight_scale, x.dtype)
         else:

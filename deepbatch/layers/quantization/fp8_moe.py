@@ -18,7 +18,7 @@ import math
 import torch
 
 from deepbatch.layers.quantization.base import FusedMoEMethod, moe_param
-from deepbatch.layers.quantization.fp8 import FP8, _use_kernels, quantize_fp8_blocks
+from deepbatch.layers.quantization.fp8_weights import FP8, quantize_fp8_blocks, use_fp8_kernels
 
 
 class Fp8BlockMoEMethod(FusedMoEMethod):
@@ -63,7 +63,7 @@ class Fp8BlockMoEMethod(FusedMoEMethod):
 
         w13, w2 = layer.gate_up_proj, layer.down_proj
         w13_scale, w2_scale = layer.gate_up_proj_scale_inv, layer.down_proj_scale_inv
-        if _use_kernels(x):
+        if use_fp8_kernels(x):
             return kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
                                      block_size=self.block_size)
         return kernels.fused_moe_fp8_block_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
