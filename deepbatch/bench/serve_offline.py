@@ -12,7 +12,8 @@ entry (``process``: the engine core in its own process, the default; ``thread``:
 stepped on a thread of the API process, ``DEEPBATCH_ENGINE_PROCESS=0``). The load is
 ``deepbatch bench serve`` with every request sent at once (streamed, token-id prompts,
 ``ignore_eos``), from ``--num-client-processes`` processes so the client is never the limit.
-``--single-stream N`` adds N requests one at a time per server for TTFT and TPOT at no load.
+``--single-stream N`` adds N requests one at a time per server for TTFT and TPOT at no load;
+``--disconnect R`` measures how fast each server lets go of streams whose clients left.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default="process", help="comma-separated: process, thread")
     p.add_argument("--num-client-processes", type=int, default=4)
     p.add_argument("--single-stream", type=int, default=0, metavar="N")
+    p.add_argument("--disconnect", type=int, default=0, metavar="R",
+                   help="R rounds of --disconnect-streams running streams whose clients all leave at once: "
+                        "milliseconds until the engine holds none (bench/disconnect_probe.py)")
+    p.add_argument("--disconnect-streams", type=int, default=16)
     p.add_argument("--port", type=int, default=8199)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
     p.add_argument("--output-json", default=None)
@@ -177,6 +182,11 @@ def run_server(bench: argparse.Namespace, engine_argv: list[str], variant: str, 
         if bench.single_stream:
             single = bench_serve.run(_load_args(bench, vocab_size, url, num_prompts=bench.single_stream, single=True))
             result["single_stream"] = {k: v for k, v in single.items() if k.endswith("_ms")}
+        if bench.disconnect:
+            from deepbatch.bench.disconnect_probe import probe
+
+            result["disconnect"] = probe(url, rounds=bench.disconnect, streams=bench.disconnect_streams,
+                                         vocab_size=vocab_size, timeout=bench.timeout)
     finally:
         _stop(proc)
     return result
@@ -208,6 +218,10 @@ def run(argv: list[str]) -> dict:
         servers[variant]["vs_offline"] = ratio
         print(f"server ({variant}): {servers[variant]['output_throughput']:,.0f} output tok/s, "
               f"{100 * ratio:.1f}% of offline; failed {servers[variant].get('failed', 0)}", flush=True)
+        if "disconnect" in servers[variant]:
+            d = servers[variant]["disconnect"]
+            print(f"server ({variant}): {d['streams']} streams whose clients left were let go in {d['mean_ms']:.1f} ms "
+                  f"on average, {d['max_ms']:.1f} ms at most ({d['rounds']} rounds)", flush=True)
     result = {"engine_args": engine_argv, "num_prompts": bench.num_prompts, "input_len": bench.random_input_len,
               "output_len": bench.random_output_len, "offline": offline, "servers": servers, "logs": out_dir}
     if bench.output_json:
