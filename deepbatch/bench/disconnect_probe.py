@@ -26,17 +26,18 @@ except ImportError:  # some environments ship httpx only under its 2.x distribut
     import httpx2 as httpx  # type: ignore[no-redef]
 
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))\{[^}]*\} (\S+)$", re.M)
+_ABORTED = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', re.M)
 _POLL_S = 0.002
 
 
-async def _busy(client: httpx.AsyncClient) -> float:
-    """Requests running plus waiting, as ``/metrics`` says now."""
+async def _scrape(client: httpx.AsyncClient) -> tuple[float, float]:
+    """Requests running plus waiting, and requests ended by an abort so far, as ``/metrics`` says."""
     text = (await client.get("/metrics")).text
-    return sum(float(v) for _, v in _GAUGE.findall(text))
+    return sum(float(v) for _, v in _GAUGE.findall(text)), sum(float(v) for v in _ABORTED.findall(text))
 
 
 async def _one_round(url: str, model: str, streams: int, prompt_len: int, max_tokens: int, vocab_size: int,
-                     rng: random.Random, timeout: float) -> float:
+                     rng: random.Random, timeout: float) -> tuple[float, int]:
     limits = httpx.Limits(max_connections=streams + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False) as metrics:
         started = [asyncio.Event() for _ in range(streams)]
@@ -53,29 +54,35 @@ async def _one_round(url: str, model: str, streams: int, prompt_len: int, max_to
                             started[i].set()
 
         tasks = [asyncio.create_task(stream(i)) for i in range(streams)]
-        waits = [asyncio.create_task(e.wait()) for e in started]
-        done, _ = await asyncio.wait([*tasks, *waits], timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t.done() and t.exception() is not None]
-        if failed or not all(e.is_set() for e in started):
-            for t in [*tasks, *waits]:
+        all_started = asyncio.create_task(asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout))
+        # A stream that ends (or fails) before every stream has started spoils the round.
+        await asyncio.wait([all_started, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if not all_started.done() or all_started.exception() is not None:
+            ended = next((t for t in tasks if t.done()), None)
+            for t in [*tasks, all_started]:
                 t.cancel()
-            raise RuntimeError(f"the streams did not all start: {failed[0].exception() if failed else 'timeout'}")
+            await asyncio.gather(*tasks, all_started, return_exceptions=True)
+            why = (ended.exception() or "a stream ended") if ended is not None else "timeout"
+            raise RuntimeError(f"the streams did not all start: {why}")
+        _, aborted_before = await _scrape(metrics)
         # Cancelling a task leaves its `async with` blocks: each connection closes, as a client's would.
         start = time.perf_counter()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        while await _busy(metrics) > 0:
+        while True:
+            busy, aborted = await _scrape(metrics)
+            if not busy:
+                return time.perf_counter() - start, int(aborted - aborted_before)
             if time.perf_counter() - start > timeout:
                 raise RuntimeError(f"requests still held {timeout:g} s after their clients left")
             await asyncio.sleep(_POLL_S)
-        return time.perf_counter() - start
 
 
 def probe(url: str, *, rounds: int, streams: int = 16, prompt_len: int = 32, vocab_size: int = 1000, seed: int = 0,
           timeout: float = 120.0) -> dict:
     """``rounds`` disconnects of ``streams`` running streams each; milliseconds from the close to
-    an idle engine (mean, max, every round). Each stream asks for as many tokens as the server's
+    an idle engine (mean, max, every round) and the aborts each round counted. Each stream asks for as many tokens as the server's
     context holds, so none ends on its own first."""
     rng = random.Random(seed)
 
@@ -86,7 +93,8 @@ def probe(url: str, *, rounds: int, streams: int = 16, prompt_len: int = 32, voc
         return [await _one_round(url, card["id"], streams, prompt_len, max_tokens, vocab_size, rng, timeout)
                 for _ in range(rounds)]
 
-    seconds = asyncio.run(run())
-    ms = [1000 * s for s in seconds]
+    results = asyncio.run(run())
+    ms = [1000 * seconds for seconds, _ in results]
+    # Aborts counted per round: every stream was still running when its client left.
     return {"streams": streams, "rounds": rounds, "mean_ms": statistics.fmean(ms), "max_ms": max(ms),
-            "rounds_ms": ms}
+            "rounds_ms": ms, "aborted": [n for _, n in results]}

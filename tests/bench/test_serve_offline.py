@@ -25,7 +25,7 @@ def test_the_same_requests_offline_and_through_a_server(tmp_path):
     argv = ["--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "10", "--variants", "process",
             "--num-client-processes", "2", "--single-stream", "2", "--disconnect", "2", "--disconnect-streams", "3",
             "--port", str(free_port()),
-            "--output-json", str(out), TINY, "--random-weights", "--max-model-len", "128", "--device", "cpu"]
+            "--output-json", str(out), TINY, "--random-weights", "--max-model-len", "512", "--device", "cpu"]
     result = serve_offline.run(argv)
     assert json.loads(out.read_text())["offline"] == result["offline"]
     offline, server = result["offline"], result["servers"]["process"]
@@ -33,12 +33,13 @@ def test_the_same_requests_offline_and_through_a_server(tmp_path):
     assert server["completed"] == 6 and server["failed"] == 0 and server["total_output_tokens"] == 6 * 10
     assert server["vs_offline"] == server["output_throughput"] / offline["output_throughput"]
     assert server["single_stream"]["mean_ttft_ms"] > 0
-    # Streams whose clients left were all let go (the probe raises if any is still held).
+    # Streams whose clients left while they ran were all aborted and let go (the probe raises if
+    # any is still held).
     disconnect = server["disconnect"]
-    assert disconnect["streams"] == 3 and len(disconnect["rounds_ms"]) == 2
+    assert disconnect["streams"] == 3 and len(disconnect["rounds_ms"]) == 2 and disconnect["aborted"] == [3, 3]
     assert 0 < disconnect["max_ms"] and disconnect["mean_ms"] <= disconnect["max_ms"]
     # The engine flags reached both sides, and nothing of the bench's own reached the engine.
-    assert result["engine_args"] == [TINY, "--random-weights", "--max-model-len", "128", "--device", "cpu"]
+    assert result["engine_args"] == [TINY, "--random-weights", "--max-model-len", "512", "--device", "cpu"]
 
 
 def test_engine_flags_are_checked_before_anything_starts():
