@@ -340,9 +340,11 @@ class OutputAssembler:
                 for entry in delta.prompt_logprobs]
         m = delta.metrics
         out = RequestOutput(
-            delta.request_id, previous.prompt, previous.prompt_token_ids, completions, delta.finished,
-            delta.num_cached_tokens, delta.error, delta.error_code,
-            RequestMetrics(*m) if m is not None else previous.metrics, previous.tenant, prompt_logprobs)
+            request_id=delta.request_id, prompt=previous.prompt, prompt_token_ids=previous.prompt_token_ids,
+            outputs=completions, finished=delta.finished, num_cached_tokens=delta.num_cached_tokens,
+            error=delta.error, error_code=delta.error_code,
+            metrics=RequestMetrics(*m) if m is not None else previous.metrics, tenant=previous.tenant,
+            prompt_logprobs=prompt_logprobs)
         if delta.finished:
             self._outputs.pop(delta.request_id, None)
         else:
