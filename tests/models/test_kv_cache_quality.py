@@ -2,8 +2,8 @@
 
 Text: CPython's own documentation as the standard library ships it (``pydoc_data.topics``, the
 language reference's topics in sorted order, joined by blank lines): English that every install
-has, fixed for a given Python version. Its first ``NUM_SEGMENTS x SEGMENT_LEN`` tokens (8,192)
-are scored as 8 requests of 1,024 tokens.
+has, fixed for a given Python version. Its first ``NUM_SEGMENTS x SEGMENT_LEN`` tokens (4,096)
+are scored as 4 requests of 1,024 tokens.
 
 Scoring is teacher-forced through the engine's own steps: each segment is one prompt, prefilled
 in chunks of at most 256 tokens (``max_num_batched_tokens=256``), so every chunk writes its K/V
@@ -11,10 +11,10 @@ into the quantized cache and attends to the cache, its own chunk and the earlier
 A forward hook on the model takes the final hidden state of every scheduled row and the model's
 own head turns it into log-probabilities of the next token (independent of the engine's own
 ``prompt_logprobs`` path, which this test thereby does not rely on). Target: perplexity at most 1% above ``auto`` for fp8 (e4m3, scale 1.0: the GGUF
-checkpoint has no KV scales) and int8. Measured with Python 3.11.7 in two runs: auto 13.443, fp8
-+0.88% and +0.95%, int8 +0.12% and +0.11%.
+checkpoint has no KV scales) and int8. Measured with Python 3.11.7: auto 13.100, fp8 +0.95%, int8
++0.05% (over 8,192 tokens, in two runs: auto 13.443, fp8 +0.88% and +0.95%, int8 +0.12% and +0.11%).
 
-Greedy continuations of 32 prompts (24 tokens of the same text each, 64 new tokens) are compared
+Greedy continuations of 32 prompts (24 tokens of the same text each, from token 8,192 on, 64 new tokens) are compared
 with ``auto``: each prompt's agreement is the length of its common prefix, so a token after the
 first divergence counts as disagreeing. The target of 95% is not met: measured 71.6% (int8) and
 27.1% (fp8). The model's greedy path sits on near-ties (top-2 log-probability gaps of 0.01 to
@@ -33,12 +33,14 @@ import torch
 from deepbatch import LLM, SamplingParams
 from deepbatch.engine import llm_engine
 
-NUM_SEGMENTS, SEGMENT_LEN, CHUNK = 8, 1024, 256
+NUM_SEGMENTS, SEGMENT_LEN, CHUNK = 4, 1024, 256
 NUM_PROMPTS, PROMPT_LEN, GEN_LEN = 32, 24, 64
+# Where the greedy prompts start in the text: past the scored segments, 200 tokens apart.
+PROMPTS_AT = 8192
 MAX_PPL_INCREASE = 0.01
 MIN_GREEDY_AGREEMENT = {"int8": 0.6, "fp8": 0.2}
 
-pytestmark = pytest.mark.slow  # about two minutes on two cores: three engines over 8,192 tokens
+pytestmark = pytest.mark.slow  # under two minutes on two cores: three engines over 4,096 tokens
 
 
 def english_tokens(tokenizer, n: int) -> list[int]:
@@ -101,8 +103,8 @@ def run_one(kv_cache_dtype: str, tokens: list[int], prompts: list[list[int]]) ->
 def runs(monkeypatch_module):
     from deepbatch.models.loader import load_tokenizer, resolve_model
 
-    tokens = english_tokens(load_tokenizer(resolve_model(None)), NUM_SEGMENTS * SEGMENT_LEN + NUM_PROMPTS * 200)
-    prompts = [tokens[NUM_SEGMENTS * SEGMENT_LEN + 200 * i :][:PROMPT_LEN] for i in range(NUM_PROMPTS)]
+    tokens = english_tokens(load_tokenizer(resolve_model(None)), PROMPTS_AT + NUM_PROMPTS * 200)
+    prompts = [tokens[PROMPTS_AT + 200 * i :][:PROMPT_LEN] for i in range(NUM_PROMPTS)]
     tokens = tokens[: NUM_SEGMENTS * SEGMENT_LEN]
     # One load of the weights for the three engines, which run one after another: each binds the
     # model's attention layers to its own cache when it starts.
@@ -146,7 +148,7 @@ def test_scoring_goes_through_quantized_chunks(runs):
     assert runs["fp8"]["cache_dtype"] == torch.float8_e4m3fn
     assert runs["int8"]["cache_dtype"] == torch.int8
     for r in runs.values():
-        assert r["scored"] == NUM_SEGMENTS * (SEGMENT_LEN - 1) >= 8000
+        assert r["scored"] == NUM_SEGMENTS * (SEGMENT_LEN - 1) >= 4000
         assert r["max_rows"] <= CHUNK
     # The formats do change the model's output: the bounds below are not met trivially.
     assert runs["fp8"]["ppl"] != runs["auto"]["ppl"] and runs["int8"]["ppl"] != runs["auto"]["ppl"]
