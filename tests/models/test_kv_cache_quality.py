@@ -14,12 +14,12 @@ own head turns it into log-probabilities of the next token (independent of the e
 checkpoint has no KV scales) and int8. Measured with Python 3.11.7: auto 13.100, fp8 +0.95%, int8
 +0.05% (over 8,192 tokens, in two runs: auto 13.443, fp8 +0.88% and +0.95%, int8 +0.12% and +0.11%).
 
-Greedy continuations of 32 prompts (24 tokens of the same text each, from token 8,192 on, 64 new tokens) are compared
-with ``auto``: each prompt's agreement is the length of its common prefix, so a token after the
-first divergence counts as disagreeing. The target of 95% is not met: measured 71.6% (int8) and
-27.1% (fp8). The model's greedy path sits on near-ties (top-2 log-probability gaps of 0.01 to
-0.2 where int8 diverges): storing the same K/V in bfloat16, the cache of an ``auto`` run on a GPU,
-already agrees only 95.0%. The floors below guard what the formats give today.
+Greedy continuations of 32 prompts (24 tokens of the same text each, from token 8,192 on, 64 new
+tokens) are compared with ``auto``: each prompt's agreement is the length of its common prefix, so
+a token after the first divergence counts as disagreeing. The target of 95% is not met: measured
+71.6% (int8) and 27.1% (fp8). The model's greedy path sits on near-ties (top-2 log-probability gaps
+of 0.01 to 0.2 where int8 diverges): storing the same K/V in bfloat16, the cache of an ``auto`` run
+on a GPU, already agrees only 95.0%. The floors below guard what the formats give today.
 """
 
 from __future__ import annotations
