@@ -64,7 +64,16 @@ async def _one_round(url: str, model: str, streams: int, prompt_len: int, max_to
             await asyncio.gather(*tasks, all_started, return_exceptions=True)
             why = (ended.exception() or "a stream ended") if ended is not None else "timeout"
             raise RuntimeError(f"the streams did not all start: {why}")
-        _, aborted_before = await _scrape(metrics)
+        # The engine's counters reach /metrics a little after the fact (the engine core process
+        # sends them at most every 100 ms while busy): wait until they show every stream running,
+        # so that the idle reading below is about this round's disconnect, not an older snapshot.
+        while True:
+            busy, aborted_before = await _scrape(metrics)
+            if busy >= streams:
+                break
+            if any(t.done() for t in tasks):
+                raise RuntimeError("a stream ended before /metrics showed every stream running")
+            await asyncio.sleep(_POLL_S)
         # Cancelling a task leaves its `async with` blocks: each connection closes, as a client's would.
         start = time.perf_counter()
         for t in tasks:
