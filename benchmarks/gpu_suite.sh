@@ -73,6 +73,12 @@ run_stage() {
     nano-x4-penalties) stage $1 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --sampling '{"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}' \
       --output-json "$OUT/$1.json" ;;
+    # What each sampling option costs beside temperature-only, one engine for every variant.
+    sampling-variants) stage $1 ${T_SV:-420} python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
+      --num-requests ${SV_REQUESTS:-1024} --output-json "$OUT/$1.json" ;;
+    sample-sweep) stage $1 150 python3 benchmarks/sample_sweep.py --output-json "$OUT/$1.json" ;;
+    kernels-sampling) stage $1 150 $PYTEST -m gpu tests/kernels/test_sample.py tests/kernels/test_sample_top_k_top_p.py tests/kernels/test_sample_rejection.py \
+      tests/kernels/test_apply_penalties.py tests/sampling ;;
     nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --fused-sampler --output-json "$OUT/nano-x4-fused-sampler.json" ;;
     attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;

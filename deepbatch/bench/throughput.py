@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
                    help='SamplingParams fields for every request on top of the workload\'s, e.g. '
                         '\'{"repetition_penalty": 1.1, "frequency_penalty": 0.5}\'')
+    p.add_argument("--seed-per-request", action="store_true",
+                   help="give request i the seed i (each its own generator, as users send them)")
     # The engine's own flags, as `deepbatch serve` has them, but admission_batch_size keeps
     # LLM(...)'s default: an offline run is for throughput.
     add_engine_args(p, positional_model=False, cli_defaults={"admission_batch_size": None})
@@ -78,8 +80,9 @@ def run(args: argparse.Namespace) -> dict:
     engine = llm.engine
     cfg = engine.hf_config
     w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)
-    params = [SamplingParams(**{"temperature": w.temperature, **args.sampling, "max_tokens": n, "ignore_eos": True})
-              for n in w.output_lens]
+    params = [SamplingParams(**{"temperature": w.temperature, **args.sampling, "max_tokens": n, "ignore_eos": True,
+                                **({"seed": i} if args.seed_per_request else {})})
+              for i, n in enumerate(w.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in w.prompts]
 
     # Warm-up outside the timing (kernel compilation, allocator); it leaves no learned state.
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> dict:
                                 kv_capacity_tokens=engine.kv_cache.capacity_tokens)
                if device.startswith("cuda") else None)
     ours = {"name": "deepbatch", "seconds": dt, "requests": w.num_requests, "output_tokens": n_out,
-            "sampling": args.sampling, "async_scheduling": engine.async_scheduling,
+            "sampling": args.sampling, "seed_per_request": args.seed_per_request,
+            "async_scheduling": engine.async_scheduling,
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,

@@ -65,16 +65,13 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kernels.common import jit as _jit, tl, triton
+from deepbatch.kernels.gumbel_noise import gumbel_score
 from deepbatch.kernels.philox_ref import philox4x32_ref, uniform_ref
 from deepbatch.kernels.sample import counters_used
 from deepbatch.kernels.top_k_top_p_search import load_candidates, load_row, threshold_search
 
-if triton is not None:
-    from triton.language.random import philox as _philox, uint_to_uniform_float as _to_uniform
-else:  # the references below still run without Triton
-    _philox = _to_uniform = None
-
-__all__ = ["counters_used", "philox4x32_ref", "sample_top_k_top_p", "sample_top_k_top_p_ref", "seed_as_int64"]
+__all__ = ["check_sampling_inputs", "counters_used", "philox4x32_ref", "sample_top_k_top_p", "sample_top_k_top_p_ref",
+           "seed_as_int64"]
 
 SEEDED_TAG = 0x5EED5EED  # last Philox counter word of seeded rows; unseeded rows have 0 there
 _E_MIN = 2.0 ** -25  # clamps of -log(u), as in sample.py
@@ -91,30 +88,11 @@ _MAX_OFFSET = 2 ** 62
 
 
 @_jit
-def _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab):
-    """``x + Gumbel`` where kept, -inf elsewhere; column ``v`` takes lane ``v % 4`` of its Philox
-    counter (module docstring). Each element evaluates its own counter: with no fixed quad layout
-    the same code serves the row and its compacted candidates."""
-    quad = cols // 4
-    lane = cols % 4
-    counter = philox_offset + row * ((vocab + 3) // 4) + quad
-    zero = (quad * 0).to(tl.uint32)
-    c0 = tl.where(seeded, quad.to(tl.uint32), counter.to(tl.uint32))
-    c1 = tl.where(seeded, zero + (pos & 0xFFFFFFFF).to(tl.uint32), (counter >> 32).to(tl.uint32))
-    c2 = tl.where(seeded, zero + (pos >> 32).to(tl.uint32), zero)
-    c3 = tl.where(seeded, zero + 0x5EED5EED, zero)  # SEEDED_TAG
-    r0, r1, r2, r3 = _philox(key0, c0, c1, c2, c3)
-    r = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    g = tl.clamp(-tl.log(_to_uniform(r)), 2.9802322387695312e-08, 32.0)  # [_E_MIN, _E_MAX]
-    return tl.where(kept, x - tl.log(g), float("-inf"))
-
-
-@_jit
 def _draw(x, key, e, cols, tau, min_p, seeded, key0, pos, philox_offset, row, vocab, best, best_i):
     """One tile of the draw pass: the kept set (above the top-k/top-p threshold ``tau``, at least
     ``min_p`` of the top probability, finite) and the running per-lane best Gumbel score."""
     kept = (key >= tau) & (e >= min_p) & (x > float("-inf"))
-    score = _gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab)
+    score = gumbel_score(x, kept, cols, seeded, key0, pos, philox_offset, row, vocab)
     better = score > best
     return kept, tl.where(better, score, best), tl.where(better, cols, best_i)
 
@@ -122,11 +100,15 @@ def _draw(x, key, e, cols, tau, min_p, seeded, key0, pos, philox_offset, row, vo
 @_jit(do_not_specialize=("philox_seed", "philox_offset"))
 def _sample_top_k_top_p_kernel(
     logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, pos_ptr, seeded_ptr,
-    tile_max_ptr, cand_key_ptr, cand_col_ptr, out_ptr, kept_ptr,
+    tile_max_ptr, cand_key_ptr, cand_col_ptr, out_ptr, kept_ptr, skip_ptr,
     vocab, stride_row, philox_seed: tl.int64, philox_offset: tl.int64,
     BLOCK: tl.constexpr, SUB: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr, WRITE_KEPT: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if SKIP:  # a row another kernel already sampled (sample_rejection.py): leave its id alone
+        if tl.load(skip_ptr + row) != 0:
+            return
     base = logits_ptr + row * stride_row
     n_tiles = (vocab + BLOCK - 1) // BLOCK
     tmax_row = tile_max_ptr + row * n_tiles
@@ -211,7 +193,9 @@ def seed_as_int64(seed: int) -> int:
     return seed - 2 ** 64 if seed >= 2 ** 63 else seed
 
 
-def _check(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed, philox_offset, block):
+def check_sampling_inputs(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed,
+                          philox_offset, block):
+    """The arguments of :func:`sample_top_k_top_p` (and of ``sample_rejection.py``'s, the same)."""
     def fail(msg):
         raise ValueError(f"sample_top_k_top_p: {msg}")
 
@@ -258,22 +242,33 @@ def sample_top_k_top_p(
     max_candidates: int = 2048,
     num_warps: int | None = None,
     return_kept: bool = False,
+    skip: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One token per row (module docstring): ``[S]`` int64 ids, queued without a host sync.
     ``return_kept`` also returns the ``[S, V]`` bool kept set of the sampled rows (greedy rows:
     all False). ``block`` (a power of two >= 16), ``num_boundaries`` (a power of two >= 4),
     ``max_candidates`` (the compacted buffer per row; 0: never compact) and ``num_warps``
-    change the speed, not the result."""
+    change the speed, not the result. ``skip`` (``[S]`` bool or int32, nonzero: skip) leaves the rows it marks alone:
+    their ids in ``out`` (``[S]`` int64, written in place when given) are not written."""
     if triton is None:
         raise RuntimeError("sample_top_k_top_p: Triton is not installed; use sample_top_k_top_p_ref")
-    _check(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed, philox_offset, block)
+    check_sampling_inputs(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed,
+                          philox_offset, block)
     if num_boundaries < 4 or num_boundaries & (num_boundaries - 1):
         raise ValueError(f"sample_top_k_top_p: num_boundaries must be a power of two >= 4, got {num_boundaries}")
     if max_candidates < 0:
         raise ValueError(f"sample_top_k_top_p: max_candidates must be >= 0, got {max_candidates}")
     S, V = logits.shape
     dev = logits.device
-    out = torch.empty(S, dtype=torch.int64, device=dev)
+    if skip is not None and (skip.shape != (S,) or skip.dtype not in (torch.bool, torch.int32) or skip.device != dev
+                             or not skip.is_contiguous()):
+        raise ValueError(f"sample_top_k_top_p: skip must be bool or int32 [{S}] on {dev}, got {skip.dtype} "
+                         f"{tuple(skip.shape)}")
+    if out is None:
+        out = torch.empty(S, dtype=torch.int64, device=dev)
+    elif out.shape != (S,) or out.dtype != torch.int64 or out.device != dev or not out.is_contiguous():
+        raise ValueError(f"sample_top_k_top_p: out must be contiguous int64 [{S}] on {dev}")
     kept = torch.zeros(S, V if return_kept else 1, dtype=torch.bool, device=dev)
     if S:
         tiles = triton.cdiv(V, block)
@@ -285,9 +280,10 @@ def sample_top_k_top_p(
         _sample_top_k_top_p_kernel[(S,)](
             logits, temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous(),
             seeds.contiguous(), positions.contiguous(), seeded.contiguous(),
-            tile_max, cand_key, cand_col, out, kept,
+            tile_max, cand_key, cand_col, out, kept, skip if skip is not None else out,
             V, logits.stride(0), philox_seed, philox_offset,
             BLOCK=block, SUB=sub, NB=num_boundaries, CAP=max_candidates, WRITE_KEPT=return_kept,
+            SKIP=skip is not None,
             num_warps=num_warps or 8,
         )
     return (out, kept) if return_kept else out
@@ -357,7 +353,8 @@ def sample_top_k_top_p_ref(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_top_k_top_p` in torch: the kept set by sorting, the draws from the same
     Philox uniforms, so the same ids (up to last-ulp differences of ``exp``/``log``)."""
-    _check(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed, philox_offset, 16)
+    check_sampling_inputs(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded, philox_seed,
+                          philox_offset, 16)
     V = logits.shape[1]
     raw = logits.float()
     greedy = ~(temperature > 0)

@@ -18,3 +18,18 @@ def copy_to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def table_to_device(rows: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``rows`` (equal lengths) as a ``[len(rows), n]`` tensor on ``device``, copied from pinned
+    memory on a GPU so the copy queues behind the step's kernels instead of waiting for them.
+
+    Each row starts 16-byte aligned (the width is padded to a multiple of 4 elements, then sliced
+    off): the rows go to Triton kernels, and Triton compiles a kernel once per alignment class of
+    its pointer arguments, so rows at offsets that follow the batch size would compile new variants
+    in the middle of serving, a second or more each."""
+    n = len(rows[0]) if rows else 0
+    width = max(4, -(-n // 4) * 4)
+    padded = [list(r) + [0] * (width - n) for r in rows]
+    t = torch.tensor(padded, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)[:, :n]

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from deepbatch.core.request import Request
+from deepbatch.kernels.apply_penalties import apply_penalties, apply_penalties_ref
+from deepbatch.sampling.host_copy import table_to_device
 
 
 def bytes_per_row(vocab: int) -> int:
@@ -57,10 +59,12 @@ class PenaltyState:
 
     # -- the step --------------------------------------------------------------------------
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, requests: list[Request], kernel: bool = False) -> torch.Tensor:
         """``logits`` (row ``i`` is ``requests[i]``'s) with the penalties applied to the rows
-        that ask for them; the other rows are returned as they are. Fills the slots of requests
-        seen for the first time."""
+        that ask for them, as a new tensor (the raw logits stay as they were: a batch whose
+        sampling fails is sampled again row by row from them). Fills the slots of requests seen
+        for the first time. ``kernel``: one Triton pass (``kernels/apply_penalties.py``) instead
+        of the torch ops."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
         if not rows:
             return logits
@@ -69,15 +73,13 @@ class PenaltyState:
         params = [[requests[i].sampling_params.repetition_penalty for i in rows],
                   [requests[i].sampling_params.frequency_penalty for i in rows],
                   [requests[i].sampling_params.presence_penalty for i in rows]]
-        rep, freq, pres = self._to_device(params, torch.float32).unsqueeze(2)
+        rep, freq, pres = self._to_device(params, torch.float32)
         whole = len(rows) == logits.shape[0]
-        sub = logits if whole else logits.index_select(0, index[0])
-        counts = self.output_counts.index_select(0, index[1]).float()
-        seen = self.prompt_mask.index_select(0, index[1]) | (counts > 0)
-        # Repetition penalty over prompt and output (HF/vLLM): shrink positive logits, grow negative.
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalized, sub)
-        sub = sub - freq * counts - pres * (counts > 0).float()
+        if kernel and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            out = torch.empty_like(logits) if whole else logits.clone()
+            return apply_penalties(logits, out, index[0], index[1], self.output_counts, self.prompt_mask,
+                                   rep, freq, pres)
+        sub = apply_penalties_ref(logits, index[0], index[1], self.output_counts, self.prompt_mask, rep, freq, pres)
         return sub if whole else logits.index_copy(0, index[0], sub)
 
     def record(self, sampled: torch.Tensor, requests: list[Request], skip: set[int] | dict | None = None) -> None:
@@ -156,6 +158,4 @@ class PenaltyState:
         return self._index[1]
 
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> torch.Tensor:
-        # Pinned, so the copy queues behind the step's kernels instead of waiting for them.
-        t = torch.tensor(rows, dtype=dtype, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+        return table_to_device(rows, dtype, self.device)

@@ -7,17 +7,20 @@ processed logits, before temperature, so a constrained row's are over the tokens
 allows) -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. Sampling draws
 ``argmax(p / q)`` with ``q ~ Exp(1)``, which samples from ``p`` without a host sync; seeded
 requests take their ``q`` row from a pure function of (seed, choice, output position)
-(``seeded_noise.py``), so their output does not depend on what else is in the batch, on
-preemption or on the device.
+(``seeded_noise.py``: Philox keyed by the seed, the kernels' own stream), so their output does not
+depend on what else is in the batch, on preemption, or on which path samples it.
 
 A fault in one request's sampling is that request's: when the batched pass raises, each row is
 sampled alone and the rows that still raise come back as errors in ``SamplerOutput.errors``
 (the engine ends those requests); a row whose raw logits hold a NaN is reported the same way.
 Only the other rows' tokens are used.
 
-With ``fused`` on (the default on CUDA; ``--no-fused-sampler`` turns it off), a batch on a GPU whose sampled rows use temperature alone
-(no top-k, top-p, min-p or seed) skips those passes: ``kernels/sample.py`` draws ``argmax(l / T + Gumbel)``, the same distribution, in
-one read of the logits. Any row that needs more sends the whole batch down the torch path.
+With ``fused`` on (the default on CUDA; ``--no-fused-sampler`` turns it off) a GPU batch samples
+in Triton kernels that never sort the vocabulary: temperature-only batches in one read of the
+logits (``kernels/sample.py``, ``argmax(l / T + Gumbel)``), every other sampled batch (top-k,
+top-p, min-p, seeds) through ``kernels/sample_rejection.py`` (the tokens of
+``kernels/sample_top_k_top_p.py``, drawn by rejection in parallel passes), and penalties in one pass
+(``kernels/apply_penalties.py``). The torch path stays as the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepbatch.core.request import Request
+from deepbatch.kernels.apply_penalties import apply_penalties
 from deepbatch.kernels.common import triton
 from deepbatch.kernels.sample import counters_used, gumbel_sample
-from deepbatch.sampling.host_copy import copy_to_host
+from deepbatch.kernels.sample_rejection import sample_rejection
+from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
+from deepbatch.sampling.host_copy import copy_to_host, table_to_device
 from deepbatch.sampling.penalty_state import PenaltyState
-from deepbatch.sampling.seeded_noise import seeded_exponential
+from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
 
 if TYPE_CHECKING:
@@ -73,8 +79,9 @@ class PendingSample:
     kernels; ``resolve`` waits for that copy alone, not for work queued after it.
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, params,
+    def __init__(self, token_ids: torch.Tensor, logits: torch.Tensor | None, params,
                  errors: dict[int, str] | None = None, nan_rows: torch.Tensor | None = None):
+        """``logits``: the processed logits of the step, given when a request asked for logprobs."""
         self.token_ids = token_ids
         self._params = params
         self._errors = errors
@@ -82,13 +89,15 @@ class PendingSample:
         self._nan_rows = copy_to_host(nan_rows, pin) if nan_rows is not None else None
         self._host = [copy_to_host(token_ids, pin)]
         self._k_max = 0
-        if logprobs is not None:
-            self._k_max = max((p.logprobs or 0) for p in params)
-            chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if logits is not None:
+            # From the processed logits and their logsumexp: no [S, V] log-softmax is written.
+            lse = torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
             self._host.append(copy_to_host(chosen, pin))
+            self._k_max = max((p.logprobs or 0) for p in params)
             if self._k_max > 0:
-                vals, ids = logprobs.topk(self._k_max, dim=-1)
-                self._host += [copy_to_host(vals, pin), copy_to_host(ids, pin)]
+                vals, ids = logits.topk(self._k_max, dim=-1)
+                self._host += [copy_to_host(vals - lse.unsqueeze(1), pin), copy_to_host(ids, pin)]
         self._prompt: PendingPromptLogprobs | None = None
         self._event = None
         self._record()
@@ -205,25 +214,31 @@ class Sampler:
         if any(p.needs_penalties for p in params):
             logits = self._apply_penalties(logits, requests)
 
-        logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1)
+        # Logprobs are of the processed logits (PendingSample takes their log-softmax values).
+        logprobs = logits if any(p.logprobs is not None for p in params) else None
 
-        all_greedy = all(p.greedy for p in params)
-        if all_greedy:
+        if all(p.greedy for p in params):
             sampled = logits.argmax(dim=-1)
-        elif self._fused_covers(logits, params):
+        elif not self._fused_enabled(logits):
+            sampled = self._sample(logits, requests)
+        elif all(p.greedy or _temperature_only(p, logits.shape[1]) for p in params):
             sampled = self._sample_fused(logits, params)
         else:
-            sampled = self._sample(logits, requests)
+            sampled = self._sample_filtered(logits, requests)
         return sampled, logprobs
 
     def warm_up(self) -> None:
-        """Compile the fused kernel for float32 logits of this vocab before the first request
-        (compiling mid-traffic stalls a server); a no-op where the kernel is not used."""
+        """Compile the sampling kernels for float32 logits of this vocab before the first request
+        (compiling mid-traffic stalls a server); a no-op where the kernels are not used."""
         logits = torch.zeros(1, self.vocab_size, device=self.device)
         if self._fused_enabled(logits):
             gumbel_sample(logits, torch.ones(1, device=self.device), self._philox_seed, 0)
+            one = torch.ones(1, device=self.device)
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+            sample_rejection(logits, one, zero.int() + 50, one * 0.9, one * 0, zero, zero, zero.bool(),
+                             self._philox_seed, 0, max_top_k=50, any_top_p=True, any_min_p=True)
+            state = torch.zeros(1, self.vocab_size, dtype=torch.int32, device=self.device)
+            apply_penalties(logits, logits.clone(), zero, zero, state, state.bool(), one, one, one)
 
     # -- logits processors ------------------------------------------------------------------
 
@@ -258,7 +273,7 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits, requests):
-        return self.penalties.apply(logits, requests)
+        return self.penalties.apply(logits, requests, kernel=self._fused_enabled(logits))
 
     def forget(self, request_id: str) -> None:
         """The request ended: free its penalty state."""
@@ -269,22 +284,37 @@ class Sampler:
     def _fused_enabled(self, logits: torch.Tensor) -> bool:
         return self.fused if self.fused is not None else logits.is_cuda and triton is not None
 
-    def _fused_covers(self, logits: torch.Tensor, params) -> bool:
-        """Every sampled row is plain temperature: the kernel has no top-k/top-p/min-p, and a
-        seeded row must draw from its own generator."""
-        if not self._fused_enabled(logits):
-            return False
-        vocab = logits.shape[1]
-        return all(
-            p.greedy or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and p.seed is None)
-            for p in params
-        )
+    def _next_offset(self, logits: torch.Tensor) -> int:
+        """The Philox counter offset for a kernel call over ``logits``, moved past its counters."""
+        offset = self._philox_offset
+        self._philox_offset = (offset + counters_used(*logits.shape)) % 2 ** 62
+        return offset
 
     def _sample_fused(self, logits, params):
         inv_temperature = self._to_device([[0.0 if p.greedy else 1.0 / p.temperature for p in params]])[0]
-        offset = self._philox_offset
-        self._philox_offset = (offset + counters_used(*logits.shape)) % 2 ** 62
-        return gumbel_sample(logits, inv_temperature, self._philox_seed, offset)
+        return gumbel_sample(logits, inv_temperature, self._philox_seed, self._next_offset(logits))
+
+    def _sample_filtered(self, logits, requests):
+        """Top-k, top-p, min-p and seeds (``kernels/sample_rejection.py``: the tokens of
+        ``kernels/sample_top_k_top_p.py`` in parallel passes); greedy rows take the argmax."""
+        params = [r.sampling_params for r in requests]
+        floats = self._to_device([[0.0 if p.greedy else p.temperature for p in params],
+                                  [p.top_p for p in params], [p.min_p for p in params]])
+        ints = self._to_device([
+            [p.top_k for p in params],
+            [0 if p.seed is None else seed_as_int64(p.seed) for p in params],
+            [stream_position(r.num_output_tokens, r.index) for r in requests],
+            [int(p.seed is not None) for p in params],
+        ], torch.int64)
+        temperature, top_p, min_p = floats
+        top_k, seeds, positions, seeded = ints
+        vocab = logits.shape[1]
+        sampled = [p for p in params if not p.greedy]
+        return sample_rejection(logits, temperature, top_k.int(), top_p, min_p, seeds, positions, seeded.bool(),
+                                self._philox_seed, self._next_offset(logits),
+                                max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0),
+                                any_top_p=any(p.top_p < 1.0 for p in sampled),
+                                any_min_p=any(p.min_p > 0.0 for p in sampled))
 
     def _sample(self, logits, requests):
         params = [r.sampling_params for r in requests]
@@ -308,15 +338,18 @@ class Sampler:
         q = torch.empty_like(probs).exponential_()
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:
-            keys = [(params[i].seed, requests[i].index, requests[i].num_output_tokens) for i in seeded]
-            rows = torch.tensor(seeded, device=q.device)
-            q[rows] = seeded_exponential(keys, q.shape[1], q.device)
+            keys = [(params[i].seed, stream_position(requests[i].num_output_tokens, requests[i].index)) for i in seeded]
+            q[torch.tensor(seeded, device=q.device)] = seeded_exponential(keys, q.shape[1], q.device)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy.bool(), logits.argmax(dim=-1), sampled)
 
-    def _to_device(self, rows: list[list[float]]) -> torch.Tensor:
-        t = torch.tensor(rows, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+    def _to_device(self, rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return table_to_device(rows, dtype, self.device)
+
+
+def _temperature_only(p, vocab: int) -> bool:
+    """A sampled row the one-pass Gumbel kernel covers: no top-k, top-p, min-p or seed."""
+    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and p.seed is None
 
 
 def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -1,53 +1,40 @@
-"""Counter-based random noise for seeded requests.
+"""Random noise for seeded requests: the Philox stream the sampling kernels draw from.
 
-A seeded request's t-th sampled token of choice i draws its exponential noise from a pure
-function of ``(seed, i, t, token id)``::
-
-    u[v] = (H(H(H(H(v ^ seed_lo) ^ seed_hi) ^ i) ^ t) + 0.5) / 2**32,    q[v] = -log(u[v])
-
-where ``H`` is a 32-bit integer mixer that is a bijection (xor-shifts and odd multiplies), so
-for fixed ``(i, t, v)`` two different 64-bit seeds never give the same ``u[v]``: seeds do not
-collide modulo 2**32, as they do through ``torch.Generator`` on the CPU. Nothing is stateful, so
-the stream is the same whatever else shares the batch, after preemption and recompute, under
-async scheduling, and on the CPU and the GPU (integer arithmetic is exact on both). Choice ``i``
-of seed ``s`` is a different stream from choice 0 of seed ``s + i``.
-
-The arithmetic runs on int64 tensors holding 32-bit values; products are split into 16-bit
-halves so that no intermediate overflows the signed 64-bit range.
+A seeded request's t-th sampled token of choice ``i`` (``n > 1`` runs one request per choice)
+takes the Exp(1) noise of token ``v`` from Philox4x32-10 keyed by the request's 64-bit seed, at
+the counter ``(v // 4, t, i, SEEDED_TAG)``, lane ``v % 4`` (``kernels/sample_top_k_top_p.py``,
+whose ``positions`` word carries ``t`` in its low 32 bits and ``i`` in its high ones: see
+:func:`stream_position`). It is a pure function of ``(seed, i, t, v)``: the same whatever else
+shares the batch, after preemption and recompute, under async scheduling, on the CPU and the
+GPU, and whether the torch sampler or the kernel samples the row. Seeds that agree modulo
+``2**32`` are different keys (both key words are used); choice ``i`` of seed ``s`` is a
+different stream from choice 0 of seed ``s + i``.
 """
 
 from __future__ import annotations
 
 import torch
 
-_MASK = 0xFFFFFFFF
+from deepbatch.kernels.sample_top_k_top_p import philox_uniforms_ref, seed_as_int64
+
+# The clamps of -log(u) of the kernels (kernels/sample.py says why).
+_E_MIN = 2.0 ** -25
+_E_MAX = 32.0
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in [0, 2**32) without signed overflow."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK
+def stream_position(output_position: int, choice: int) -> int:
+    """The ``positions`` word of the sampling kernel for a seeded row: the output position in the
+    low 32 bits, the choice index in the high ones."""
+    if not 0 <= output_position < 2 ** 32 or not 0 <= choice < 2 ** 31:
+        raise ValueError(f"seeded stream: position {output_position} or choice {choice} out of range")
+    return output_position | (choice << 32)
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijection on [0, 2**32) with good avalanche (xor-shift / multiply rounds)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def seeded_exponential(keys: list[tuple[int, int, int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise ``[len(keys), vocab_size]`` (float32), one row per ``(seed, choice, step)``.
-
-    ``seed`` is in [0, 2**64); ``choice`` and ``step`` are small non-negative ints."""
-    words = torch.tensor(
-        [[s & _MASK, s >> 32, c & _MASK, t & _MASK] for s, c, t in keys], dtype=torch.int64, device=device
-    )
-    h = torch.arange(vocab_size, dtype=torch.int64, device=device).unsqueeze(0).expand(len(keys), -1)
-    for j in range(4):
-        h = mix32(h ^ words[:, j : j + 1])
-    u = (h.to(torch.float64) + 0.5) * (1.0 / 2**32)  # in (0, 1): never 0, never 1
-    return (-torch.log(u)).to(torch.float32)
+def seeded_exponential(keys: list[tuple[int, int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise ``[len(keys), vocab_size]`` (float32), one row per ``(seed, stream_position)``;
+    ``seed`` is in ``[0, 2**64)``."""
+    seeds = torch.tensor([seed_as_int64(s) for s, _ in keys], dtype=torch.int64, device=device)
+    positions = torch.tensor([p for _, p in keys], dtype=torch.int64, device=device)
+    seeded = torch.ones(len(keys), dtype=torch.bool, device=device)
+    u = philox_uniforms_ref(vocab_size, seeds, positions, seeded, 0, 0)
+    return (-u.log()).clamp(_E_MIN, _E_MAX)

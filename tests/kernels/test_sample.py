@@ -21,6 +21,7 @@ from sm90_build import build_for_sm90  # noqa: E402
 from deepbatch.core.request import Request  # noqa: E402
 from deepbatch.core.sampling_params import SamplingParams  # noqa: E402
 from deepbatch.kernels.sample import counters_used, gumbel_sample, gumbel_sample_ref  # noqa: E402
+from deepbatch.kernels.sample_rejection import sample_rejection  # noqa: E402
 from deepbatch.sampling.sampler import Sampler  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -331,11 +332,21 @@ def test_sampler_forced_kernel(kernel_calls):
 
 @pytest.mark.parametrize("params", [dict(top_k=50), dict(top_p=0.9), dict(min_p=0.1), dict(seed=7)],
                          ids=["top-k", "top-p", "min-p", "seed"])
-def test_sampler_falls_back_for_rows_the_kernel_lacks(kernel_calls, params):
+def test_sampler_sends_filtered_rows_to_the_rejection_kernel(kernel_calls, monkeypatch, params):
+    filtered = []
+
+    def counting(*args, **kwargs):
+        filtered.append(args[0].shape[0])
+        return sample_rejection(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_mod, "sample_rejection", counting)
     sampler = Sampler(1000, DEVICE, fused=True)
-    batch = requests(SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, **params))
-    ids = sampler.sample(torch.randn(2, 1000, device=DEVICE), batch).resolve().token_ids
-    assert kernel_calls == [] and all(0 <= t < 1000 for t in ids)
+    batch = requests(SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, **params),
+                     SamplingParams(temperature=0.0))
+    logits = torch.randn(3, 1000, device=DEVICE)
+    ids = sampler.sample(logits, batch).resolve().token_ids
+    assert kernel_calls == [] and filtered == [3] and all(0 <= t < 1000 for t in ids)
+    assert ids[2] == logits[2].argmax().item()
 
 
 # -- GPU --------------------------------------------------------------------------------------

@@ -419,15 +419,15 @@ from deepbatch.kernels.sample_top_k_top_p import _sample_top_k_top_p_kernel
 if "nvidia" not in backends:
     sys.exit(3)
 ptrs = ["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "pos_ptr", "seeded_ptr", "tile_max_ptr",
-        "cand_key_ptr", "cand_col_ptr", "out_ptr", "kept_ptr"]
-types = ["*fp32", "*i32", "*fp32", "*fp32", "*i64", "*i64", "*i1", "*i32", "*i32", "*i32", "*i64", "*i1"]
+        "cand_key_ptr", "cand_col_ptr", "out_ptr", "kept_ptr", "skip_ptr"]
+types = ["*fp32", "*i32", "*fp32", "*fp32", "*i64", "*i64", "*i1", "*i32", "*i32", "*i32", "*i64", "*i1", "*i1"]
 for dtype, write_kept in (("bf16", True),):  # kept stores on: every line of the kernel
     sig = {"logits_ptr": f"*{dtype}", **dict(zip(ptrs, types)), "vocab": "i32", "stride_row": "i32",
            "philox_seed": "i64", "philox_offset": "i64"}
-    consts = {"BLOCK": 1024, "SUB": 256, "NB": 16, "CAP": 2048, "WRITE_KEPT": write_kept}
+    consts = {"BLOCK": 1024, "SUB": 256, "NB": 16, "CAP": 2048, "WRITE_KEPT": write_kept, "SKIP": True}
     sig.update({name: "constexpr" for name in consts})
     src = ASTSource(fn=_sample_top_k_top_p_kernel, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in range(13)})
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(14)})
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     print(dtype, "ok")
 """

@@ -60,7 +60,11 @@ def random_logits(gen: torch.Generator, rows: int) -> torch.Tensor:
     return logits
 
 
-def test_matches_full_history_reference_with_requests_coming_and_going():
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_matches_full_history_reference_with_requests_coming_and_going(kernel):
+    """The torch ops and the Triton kernel (the interpreter on the CPU) against the recomputation."""
+    if kernel:
+        pytest.importorskip("triton")
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     state = PenaltyState("cpu")
     live: list[Request] = []
@@ -79,8 +83,13 @@ def test_matches_full_history_reference_with_requests_coming_and_going():
             continue
         batch = rng.sample(live, rng.randrange(1, len(live) + 1))  # not every request runs each step
         logits = random_logits(gen, len(batch))
-        got = state.apply(logits, batch)
-        assert torch.equal(got, reference(logits, batch, history)), step
+        raw = logits.clone()
+        got = state.apply(logits, batch, kernel=kernel)
+        assert torch.equal(logits, raw)  # a new tensor: the raw logits stay for a row-by-row retry
+        if kernel:  # the compiled kernel may contract a product into an FMA
+            torch.testing.assert_close(got, reference(logits, batch, history), rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, reference(logits, batch, history)), step
         with_slots.update(r.request_id for r in batch if state.slot_of(r.request_id) is not None)
         sampled = torch.randint(0, V, (len(batch),), generator=gen)
         state.record(sampled, batch)
@@ -248,7 +257,8 @@ def test_no_history_copied_per_step(monkeypatch):
         if step == 0:
             assert max(sizes) >= 300  # the fill: once per request
         else:
-            assert max(sizes, default=0) <= 3 * len(reqs), (step, sizes)
+            # three values per row, the rows padded to a multiple of 4 (sampling/host_copy.py)
+            assert max(sizes, default=0) <= 3 * (len(reqs) + 3), (step, sizes)
         for r, t in zip(reqs, tokens):
             r.append_output_token(t)
             history[r.request_id].append(t)

@@ -1,79 +1,81 @@
-"""Seeded sampling: the counter-based noise against a plain-Python reference, the full 64-bit
-seed range, and per-choice streams for n > 1."""
+"""Seeded sampling: the Philox noise against the kernels' own uniforms, the full 64-bit seed
+range, per-choice streams for n > 1, and a seeded row sampled alike by the torch path and the
+sampling kernel (on the CPU through the Triton interpreter)."""
 
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
 from deepbatch import LLM, InvalidRequestError, SamplingParams
-from deepbatch.sampling.seeded_noise import mix32, seeded_exponential
-
-M = 0xFFFFFFFF
-
-
-def mix32_reference(x: int) -> int:
-    """The same mixer on Python's unbounded ints: the reference for the split int64 products."""
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & M
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & M
-    return x ^ (x >> 16)
+from deepbatch.kernels.sample_top_k_top_p import SEEDED_TAG, philox4x32_ref, seed_as_int64, uniform_ref
+from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
 
 
 def noise_reference(seed: int, choice: int, step: int, vocab: int) -> list[float]:
+    """Word by word: Philox keyed by the seed at counter (v // 4, step, choice, tag), lane v % 4."""
     out = []
+    key = torch.tensor([seed_as_int64(seed)])
     for v in range(vocab):
-        h = v
-        for word in (seed & M, seed >> 32, choice & M, step & M):
-            h = mix32_reference(h ^ word)
-        out.append(-math.log((h + 0.5) / 2**32))
+        words = [torch.tensor([w]) for w in (v // 4, step, choice, SEEDED_TAG)]
+        lane = philox4x32_ref(key, *words)[v % 4]
+        u = uniform_ref(lane).item()
+        out.append(min(max(-math.log(u), 2.0 ** -25), 32.0))
     return out
-
-
-def test_mix32_matches_reference_over_the_whole_range():
-    rng = random.Random(0)
-    xs = [0, 1, M, M - 1, 2**31, 2**31 - 1, 0x7FEB352D] + [rng.randrange(2**32) for _ in range(5000)]
-    got = mix32(torch.tensor(xs, dtype=torch.int64)).tolist()
-    assert got == [mix32_reference(x) for x in xs]
-    assert all(0 <= g <= M for g in got)
-
-
-def test_mix32_is_a_bijection_on_a_block():
-    # A bijection maps 2**16 distinct inputs to 2**16 distinct outputs.
-    out = mix32(torch.arange(2**16, dtype=torch.int64) * 65_537)
-    assert out.unique().numel() == 2**16
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**32, 2**62, 2**64 - 1])
 def test_noise_matches_reference(seed):
-    got = seeded_exponential([(seed, 3, 17)], 64, torch.device("cpu"))[0].tolist()
-    ref = noise_reference(seed, 3, 17, 64)
-    assert got == pytest.approx(ref, rel=1e-6)
+    got = seeded_exponential([(seed, stream_position(17, 3))], 64, torch.device("cpu"))[0].tolist()
+    assert got == pytest.approx(noise_reference(seed, 3, 17, 64), rel=1e-6)
+
+
+def test_stream_position_packs_choice_above_the_position():
+    assert stream_position(17, 0) == 17 and stream_position(17, 3) == 17 + (3 << 32)
+    for bad in ((-1, 0), (2**32, 0), (0, -1)):
+        with pytest.raises(ValueError):
+            stream_position(*bad)
 
 
 def test_noise_is_exponential():
-    q = seeded_exponential([(12345, 0, t) for t in range(8)], 50_000, torch.device("cpu")).double()
+    q = seeded_exponential([(12345, stream_position(t, 0)) for t in range(8)], 50_000, torch.device("cpu")).double()
     # Exp(1): mean 1, variance 1, P(q > 1) = 1/e; 400k draws put these within a few 1e-3.
     assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.02
     assert abs((q > 1).double().mean().item() - math.exp(-1)) < 0.005
 
 
 def test_seeds_that_collided_modulo_2_32_differ():
-    rows = seeded_exponential([(0, 0, 0), (2**32, 0, 0), (2**62, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)],
-                              4096, torch.device("cpu"))
+    keys = [(0, 0), (2**32, 0), (2**62, 0), (0, stream_position(0, 1)), (1, 0), (0, 1)]
+    rows = seeded_exponential(keys, 4096, torch.device("cpu"))
     for i in range(len(rows)):
         for j in range(i + 1, len(rows)):
             assert not torch.equal(rows[i], rows[j]), (i, j)
 
 
+def test_torch_path_and_kernel_draw_the_same_seeded_tokens():
+    """A seeded row's token is a function of (seed, choice, position) whichever path samples it."""
+    pytest.importorskip("triton")
+    from deepbatch.core.request import Request
+    from deepbatch.sampling.sampler import Sampler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = 300
+    torch.manual_seed(0)
+    logits = torch.randn(4, vocab, device=device) * 3
+    params = [SamplingParams(temperature=0.8, seed=2**64 - 5), SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+              SamplingParams(temperature=0.6, top_k=20, seed=0), SamplingParams(temperature=1.2, min_p=0.05, seed=99)]
+    requests = [Request(f"r{i}", [1, 2, 3], p, max_tokens=8) for i, p in enumerate(params)]
+    torch_ids = Sampler(vocab, device, fused=False).sample(logits, requests).resolve().token_ids
+    kernel_ids = Sampler(vocab, device, fused=True).sample(logits, requests).resolve().token_ids
+    assert torch_ids == kernel_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_noise_is_the_same_on_the_gpu():
-    keys = [(2**63 + 5, 1, 9), (7, 0, 0)]
+    keys = [(2**63 + 5, stream_position(9, 1)), (7, 0)]
     cpu = seeded_exponential(keys, 151_936, torch.device("cpu"))
     gpu = seeded_exponential(keys, 151_936, torch.device("cuda")).cpu()
     torch.testing.assert_close(gpu, cpu, rtol=1e-6, atol=0)
