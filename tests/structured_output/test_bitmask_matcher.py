@@ -175,3 +175,49 @@ def test_apply_grammar_bitmask_masks_only_constrained_rows(grammars):
     assert allowed and all(tok.decode([t]).isdigit() for t in allowed)
     assert not torch.isinf(logits[[0, 2, 3]]).any()
     assert broken.error is not None and digits.error is None
+
+
+def test_batched_fill_equals_each_row_alone_and_a_faulty_row_fails_alone(grammars):
+    """Several grammars at different points filled by xgrammar's batched matcher: each row's mask
+    is the mask its matcher fills alone. A matcher that raises sends the step row by row, and only
+    its request gets the error."""
+    cache, tok = grammars
+    vocab = cache.vocab_size
+
+    def request(spec, text):
+        state = StructuredOutputRequest(cache.compile(spec))
+        out = tok.encode(text, add_special_tokens=False) if text else []
+        return SimpleNamespace(structured_output=state, output_token_ids=out, num_output_tokens=len(out),
+                               num_pending_tokens=0,
+                               sampling_params=SamplingParams(_eos_token_ids=frozenset(cache.stop_token_ids)))
+
+    specs = [(StructuredOutputsParams(regex=r"[0-9]{2,5}"), "12"),
+             (StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}}), "[1, "),
+             (StructuredOutputsParams(choice=["yes", "no"]), ""),
+             (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}},
+                                            "required": ["a"]}), '{"a": "x')]
+    batch = [request(*s) for s in specs]
+    logits = torch.zeros(len(batch), vocab)
+    assert apply_grammar_bitmask(logits, batch) == {0, 1, 2, 3}
+    for i, spec in enumerate(specs):
+        alone = request(*spec)
+        one = torch.zeros(1, vocab)
+        apply_grammar_bitmask(one, [alone])
+        assert torch.equal(torch.isinf(logits[i]), torch.isinf(one[0])), i
+
+    class Broken:
+        def is_terminated(self):
+            return False
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            raise RuntimeError("matcher state lost")
+
+    batch = [request(*s) for s in specs]
+    for r in batch:
+        r.structured_output.advance(r.output_token_ids)
+    batch[2].structured_output.matcher = Broken()
+    logits = torch.zeros(len(batch), vocab)
+    assert apply_grammar_bitmask(logits, batch) == {0, 1, 3}
+    assert "matcher state lost" in batch[2].structured_output.error
+    assert all(batch[i].structured_output.error is None for i in (0, 1, 3))
+    assert not torch.isinf(logits[2]).any() and torch.isinf(logits[[0, 1, 3]]).any(dim=1).all()
