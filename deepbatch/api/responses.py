@@ -99,8 +99,8 @@ class ResponseFormatter:
         return tok.decode(out.prompt_token_ids) if tok is not None else ""
 
     def completion_logprobs(self, token_ids, logprobs, text_offset: int) -> CompletionLogProbs:
-        """``logprobs``: one ``(logprob, {token_id: logprob} of the alternatives)`` per token, or
-        None for a token nothing was scored for (a prompt's first)."""
+        """``logprobs``: one ``{token_id: Logprob}`` per token (the token itself and its
+        alternatives), or None for a token nothing was scored for (a prompt's first)."""
         lp = CompletionLogProbs()
         for tok, entry in zip(token_ids, logprobs):
             text = self.token_text(tok)
@@ -111,10 +111,9 @@ class ResponseFormatter:
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
                 continue
-            logprob, top = entry
-            logprob = _finite(logprob)
+            logprob = _finite(entry[tok].logprob)
             lp.token_logprobs.append(logprob)
-            alternatives = {self.token_text(t): _finite(v) for t, v in top.items()}
+            alternatives = {self.token_text(t): _finite(v.logprob) for t, v in entry.items()}
             alternatives.setdefault(text, logprob)  # the sampled token is always listed (OpenAI legacy)
             lp.top_logprobs.append(alternatives)
         return lp
@@ -123,8 +122,7 @@ class ResponseFormatter:
         """``generated`` (a choice's logprobs, offsets already past the echoed prompt) after the
         prompt's, whose offsets run from 0 and whose alternatives are the top ``k``."""
         positions = out.prompt_logprobs or []
-        entries = [None if p is None else (p[tok].logprob, {t: lp.logprob for t, lp in _top(p, tok, k).items()})
-                   for tok, p in zip(out.prompt_token_ids, positions)]
+        entries = [None if p is None else _top(p, tok, k) for tok, p in zip(out.prompt_token_ids, positions)]
         head = self.completion_logprobs(out.prompt_token_ids, entries, 0)
         return CompletionLogProbs(tokens=head.tokens + generated.tokens,
                                   token_logprobs=head.token_logprobs + generated.token_logprobs,
@@ -143,9 +141,11 @@ class ResponseFormatter:
 
     def chat_logprobs(self, token_ids, logprobs, top_n: int) -> ChatChoiceLogProbs:
         content = []
-        for tok, (logprob, top) in zip(token_ids, logprobs):
+        for tok, entry in zip(token_ids, logprobs):
             text = self.token_text(tok)
-            alternatives = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]
+            logprob = entry[tok].logprob
+            # the most likely top_n (the entry also holds the sampled token, first)
+            alternatives = sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: -kv[1])[:top_n]
             content.append(ChatLogProbsContent(
                 token=text, logprob=_finite(logprob), bytes=list(text.encode()),
                 top_logprobs=[ChatTokenLogProb(token=self.token_text(t), logprob=_finite(v),

@@ -23,12 +23,16 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
-    # One (logprob of the sampled token, {token_id: logprob} of the top-k) per token, if asked.
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # With ``SamplingParams.logprobs = k`` (vLLM's shape): one ``{token_id: Logprob}`` per
+    # generated token, the sampled token first, then the k most likely (k or k + 1 entries);
+    # ``rank`` is 1 + the number of more likely tokens.
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
-        return None if self.logprobs is None else sum(lp for lp, _ in self.logprobs)
+        if self.logprobs is None:
+            return None
+        return sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs))
 
     @property
     def finished(self) -> bool:

@@ -75,8 +75,8 @@ class Request:
     error_code: str | None = None
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # 0 or 1: a sampled token counted but not yet in the id lists
-    # Per-token logprobs: list of (token_logprob, {token_id: logprob} for the top ones).
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # Per-token logprobs (CompletionOutput's shape): {token_id: Logprob}, the sampled token first.
+    logprobs: list[dict[int, Logprob]] | None = None
     # With ``prompt_logprobs``, RequestOutput's list as far as the prompt has run: None for the
     # first prompt token, then ``{token_id: Logprob}`` per prompt token (``record_prompt_logprobs``).
     # The samples of one prompt (n > 1) share it, so only the first (``index`` 0) computes it;

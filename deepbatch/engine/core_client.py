@@ -361,7 +361,8 @@ def _applied(before: CompletionOutput | None, c: CompletionDelta) -> CompletionO
         token_ids = before.token_ids[:c.token_offset] + c.token_ids
         logprobs = before.logprobs
     if c.logprobs is not None:
-        logprobs = (logprobs or [])[:c.logprobs_offset] + [(lp, dict(top)) for lp, top in c.logprobs]
+        logprobs = (logprobs or [])[:c.logprobs_offset] + [
+            {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in c.logprobs]
     return CompletionOutput(c.index, text, token_ids, c.finish_reason, c.stop_reason, logprobs)
 
 

@@ -80,7 +80,8 @@ class CompletionDelta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs_offset: int = 0
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # Logprobs past ``logprobs_offset``: {token: (logprob, rank)} per token, the sampled one first.
+    logprobs: list[dict[int, tuple[float, int | None]]] | None = None
 
 
 class OutputDelta(msgspec.Struct, array_like=True, gc=False):

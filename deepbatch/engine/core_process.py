@@ -313,7 +313,9 @@ class EngineCore:
             text_offset = min(text_len, len(text))
             completions.append(CompletionDelta(
                 r.index, text_offset, text[text_offset:], num_tokens, ids[num_tokens:], r.finish_reason,
-                r.stop_reason, num_logprobs, logprobs[num_logprobs:] if logprobs is not None else None))
+                r.stop_reason, num_logprobs,
+                None if logprobs is None else [{t: (lp.logprob, lp.rank) for t, lp in entry.items()}
+                                               for entry in logprobs[num_logprobs:]]))
             sent.completions[r.index] = (len(text), len(ids), len(logprobs) if logprobs is not None else 0)
         first = children[0]
         prompt_offset = sent.num_prompt_logprobs

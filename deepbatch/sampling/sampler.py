@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepbatch.core.outputs import Logprob
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties
 from deepbatch.kernels.common import triton
@@ -64,8 +65,9 @@ class SamplerOutput:
     """
 
     token_ids: list[int]
-    # Per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None.
-    logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # Per row: {token_id: Logprob}, the sampled token first (with its rank), then the top-k
+    # (ranks 1..k); None for a row that did not ask.
+    logprobs: list[dict[int, Logprob] | None] | None = None
     # Row -> why that row's request failed (its token is meaningless); None when none did.
     errors: dict[int, str] | None = None
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, dict[int, float]]]]] | None = None
@@ -92,8 +94,9 @@ class PendingSample:
         if logits is not None:
             # From the processed logits and their logsumexp: no [S, V] log-softmax is written.
             lse = torch.logsumexp(logits, dim=-1)
-            chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - lse
-            self._host.append(copy_to_host(chosen, pin))
+            chosen_logit = logits.gather(1, token_ids.unsqueeze(1))
+            rank = (logits > chosen_logit).sum(dim=1) + 1  # 1 + the tokens more likely than it
+            self._host += [copy_to_host(chosen_logit.squeeze(1) - lse, pin), copy_to_host(rank, pin)]
             self._k_max = max((p.logprobs or 0) for p in params)
             if self._k_max > 0:
                 vals, ids = logits.topk(self._k_max, dim=-1)
@@ -125,16 +128,18 @@ class PendingSample:
             token_ids = self._host[0].tolist()
             logprobs = None
             if len(self._host) > 1:
-                chosen = self._host[1].tolist()
-                top_vals = self._host[2].tolist() if self._k_max else None
-                top_ids = self._host[3].tolist() if self._k_max else None
+                chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
+                top_vals = self._host[3].tolist() if self._k_max else None
+                top_ids = self._host[4].tolist() if self._k_max else None
                 logprobs = []
                 for i, p in enumerate(self._params):
                     if p.logprobs is None:
                         logprobs.append(None)
                         continue
-                    top = {top_ids[i][j]: top_vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
-                    logprobs.append((chosen[i], top))
+                    entry = {token_ids[i]: Logprob(chosen[i], ranks[i])}  # the sampled token first (vLLM)
+                    for j in range(p.logprobs):
+                        entry.setdefault(top_ids[i][j], Logprob(top_vals[i][j], j + 1))
+                    logprobs.append(entry)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():

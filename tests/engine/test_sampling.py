@@ -37,14 +37,30 @@ def test_n_samples(llm):
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
 
 
-def test_logprobs_match_log_softmax(llm):
+def test_logprobs_in_vllms_shape(llm):
+    """One {token_id: Logprob} per token: the sampled token first with its rank, then the top 3
+    ranked 1..3; greedy tokens rank 1; the cumulative logprob sums the sampled tokens'."""
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 4
-    for tok, (lp, top) in zip(out.token_ids, out.logprobs):
-        assert len(top) == 3
-        assert max(top, key=top.get) == tok  # greedy picks the top-1
-        assert math.isclose(top[tok], lp, abs_tol=1e-6) and lp <= 0
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert next(iter(entry)) == tok and entry[tok].rank == 1 and len(entry) == 3
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert max(entry, key=lambda t: entry[t].logprob) == tok and entry[tok].logprob <= 0
+    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_sampled_token_rank_counts_the_more_likely_tokens(llm):
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.5, seed=3, max_tokens=24, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    ranks = []
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        mine = entry[tok]
+        assert next(iter(entry)) == tok and len(entry) == (3 if mine.rank <= 3 else 4)
+        above = sum(lp.logprob > mine.logprob for t, lp in entry.items() if t != tok)
+        assert above == min(mine.rank - 1, 3), (tok, entry)
+        ranks.append(mine.rank)
+    assert max(ranks) > 1  # at T = 1.5 some draws are not the top token
 
 
 def test_min_tokens_bans_eos(llm):

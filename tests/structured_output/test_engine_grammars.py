@@ -101,7 +101,8 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
     out = llm.generate(chat(llm, "Name a city."), greedy(Structured(choice=choices), logprobs=20),
                        use_tqdm=False)[0].outputs[0]
     assert out.text in choices
-    chosen, top = out.logprobs[0]
+    entry = out.logprobs[0]
+    chosen, top = entry[out.token_ids[0]].logprob, {t: lp.logprob for t, lp in entry.items()}
     allowed = {t: lp for t, lp in top.items() if lp > -math.inf}
     assert out.token_ids[0] in allowed and chosen == top[out.token_ids[0]]
     assert all(any(c.startswith(tok.decode([t])) for c in choices) for t in allowed), allowed

@@ -174,7 +174,7 @@ def next_token_gaps(llm: LLM, prompts: list[list[int]], references: list[Callabl
             assert token == int(refs[0].argmax()), (prompt, token)
         else:
             assert float(refs[0].max() - refs[0][token]) < tie, (prompt, token)
-        _, top = out.outputs[0].logprobs[0]
+        top = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items() if lp.rank <= top_k}
         assert len(top) == top_k
         for j, ref in enumerate(refs):
             worst[j] = max(worst[j], max(abs(lp - float(ref[tok])) for tok, lp in top.items()))
