@@ -29,6 +29,27 @@ def test_seed_reproducible_and_independent_of_batch(llm):
     assert other_seed != alone
 
 
+@pytest.mark.parametrize("cuts", [{}, dict(top_p=0.9, top_k=20, min_p=0.02)], ids=["temperature", "top-k-p-min-p"])
+def test_seeded_request_is_the_same_alone_and_in_batches_of_7_and_64(llm, cuts):
+    p = SamplingParams(temperature=0.9, seed=77, max_tokens=8, ignore_eos=True, **cuts)
+    alone = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
+    for size in (7, 64):
+        prompts = [{"prompt_token_ids": [20 + i % 40, 21, 22 + i % 3]} for i in range(size)]
+        params = [SamplingParams(temperature=0.5 + (i % 4) * 0.3, top_p=1.0 if i % 2 else 0.8, max_tokens=4 + i % 9,
+                                 ignore_eos=True, seed=None if i % 3 else 1000 + i) for i in range(size)]
+        at = size // 2
+        prompts[at], params[at] = PROMPT, p
+        assert llm.generate(prompts, params, use_tqdm=False)[at].outputs[0].token_ids == alone, size
+
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    for cut in (dict(top_k=1), dict(top_p=1e-6)):
+        p = SamplingParams(temperature=1.3, max_tokens=8, ignore_eos=True, **cut)
+        assert llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids == greedy, cut
+
+
 def test_n_samples(llm):
     out = llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)[0]

@@ -72,6 +72,32 @@ def test_torch_path_and_kernel_draw_the_same_seeded_tokens():
     assert torch_ids == kernel_ids
 
 
+def test_kernel_draws_a_seeded_row_alike_in_batches_of_1_7_and_64():
+    """The kernel path (the Triton interpreter on the CPU): a seeded row's token depends on its
+    seed, choice and position, not on its row or its neighbours."""
+    pytest.importorskip("triton")
+    from deepbatch.core.request import Request
+    from deepbatch.sampling.sampler import Sampler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = 300
+    g = torch.Generator().manual_seed(1)
+    mine_logits = torch.randn(1, vocab, generator=g) * 2
+    mine = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=2**63 + 11)
+    got = []
+    for size in (1, 7, 64):
+        logits = torch.randn(size, vocab, generator=g) * 2
+        at = size // 2
+        logits[at] = mine_logits[0]
+        params = [SamplingParams(temperature=1.0, top_p=0.7 if i % 2 else 1.0, seed=i if i % 3 == 0 else None)
+                  for i in range(size)]
+        params[at] = mine
+        requests = [Request(f"r{i}", [1, 2], p, max_tokens=8) for i, p in enumerate(params)]
+        ids = Sampler(vocab, device, fused=True).sample(logits.to(device), requests).resolve().token_ids
+        got.append(ids[at])
+    assert got[0] == got[1] == got[2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_noise_is_the_same_on_the_gpu():
