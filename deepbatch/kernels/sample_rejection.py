@@ -44,7 +44,7 @@ from deepbatch.kernels.sample_top_k_top_p import check_sampling_inputs, sample_t
 
 
 # Launch arguments are few on purpose: a Triton launch from Python costs tens of microseconds,
-# more with each argument, and a step launches these kernels up to eight times. Per-row inputs
+# more with each argument, and a step launches these kernels up to seven times. Per-row inputs
 # and per-row work come as [n, S] tables, per-tile work as one [4, S, tiles] table:
 #   fparams: temperature, top_p, min_p        iparams (int64): top_k, seed, position, seeded
 #   work: lo (the floor), m (row max), Z_k, x_w     state (int32): done, active, arrivals A, arrivals B

@@ -240,8 +240,9 @@ class Sampler:
             gumbel_sample(logits, torch.ones(1, device=self.device), self._philox_seed, 0)
             one = torch.ones(1, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-            sample_rejection(logits, one, zero.int() + 50, one * 0.9, one * 0, zero, zero, zero.bool(),
-                             self._philox_seed, 0, max_top_k=50, any_top_p=True, any_min_p=True)
+            for k in (50, 0):  # the kernel variants with and without a top-k floor
+                sample_rejection(logits, one, zero.int() + k, one * 0.9, one * 0, zero, zero, zero.bool(),
+                                 self._philox_seed, 0, max_top_k=k, any_top_p=True, any_min_p=True)
             state = torch.zeros(1, self.vocab_size, dtype=torch.int32, device=self.device)
             apply_penalties(logits, logits.clone(), zero, zero, state, state.bool(), one, one, one)
 
