@@ -260,7 +260,7 @@ class EngineConfig:
     cuda_graph_mode: str = arg("full", "full: CUDA graphs for steps with prefill chunks too (Triton backend); "
                                        "decode: for decode-only steps", choices=("full", "decode"))
     # kernels/sample.py; off keeps the torch ops.
-    fused_sampler: bool = arg(True, "sample temperature-only batches with one Triton pass over the logits (GPU)")
+    fused_sampler: bool = arg(True, "sample, apply penalties and filter top-k/top-p/min-p with Triton kernels (GPU)")
     async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "
                                               "(default: on for CUDA with one rank; tensor parallelism takes it "
                                               "when asked)")

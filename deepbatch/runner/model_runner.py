@@ -56,7 +56,7 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
-        # The one-pass sampling kernel on CUDA unless turned off (``fused_sampler=False``).
+        # The sampling kernels on CUDA unless turned off (``fused_sampler=False``: the torch path).
         self.sampler = Sampler(hf_config.vocab_size, self.device, fused=None if config.fused_sampler else False,
                                fault_request_id=config.fault_inject_sample_request,
                                max_num_seqs=config.scheduler.max_num_seqs)
