@@ -71,6 +71,27 @@ def test_logprobs_in_vllms_shape(llm):
     assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
 
 
+def test_logprobs_and_ranks_match_hf_transformers(llm, tiny_checkpoints):
+    """Each generated position against HF transformers on the same weights: the sampled token's
+    logprob and rank, and the top 3, from the log-softmax of HF's next-token logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.5, seed=3, max_tokens=6, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"], dtype=torch.float32).eval()
+    ids = PROMPT["prompt_token_ids"] + out.token_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    n = len(PROMPT["prompt_token_ids"])
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        ref = torch.log_softmax(logits[n - 1 + j], dim=-1)
+        assert entry[tok].logprob == pytest.approx(ref[tok].item(), abs=1e-4)
+        assert entry[tok].rank == int((ref > ref[tok]).sum()) + 1
+        top = ref.topk(3)
+        for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-4) and (t == tok or entry[t].rank == rank)
+
+
 def test_sampled_token_rank_counts_the_more_likely_tokens(llm):
     out = llm.generate([PROMPT], SamplingParams(temperature=1.5, seed=3, max_tokens=24, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
