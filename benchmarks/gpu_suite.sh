@@ -75,7 +75,7 @@ run_stage() {
       --output-json "$OUT/$1.json" ;;
     # What each sampling option costs beside temperature-only, one engine for every variant.
     sampling-variants) stage $1 ${T_SV:-420} python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
-      --num-requests ${SV_REQUESTS:-1024} --output-json "$OUT/$1.json" ;;
+      --num-requests ${SV_REQUESTS:-1024} ${SV_VARIANTS:+--variants $SV_VARIANTS} --output-json "$OUT/$1.json" ;;
     # The same with a JSON schema on every request: SmolLM2's real tokenizer under a qwen3-0.6b-shaped
     # model of its vocabulary (benchmarks/smollm2_tokenizer.py writes it; carry it, and xgrammar's wheels).
     sampling-json) stage $1 ${T_SJ:-420} python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
@@ -83,7 +83,7 @@ run_stage() {
       --num-requests ${SV_REQUESTS:-1024} --output-json "$OUT/$1.json" ;;
     sample-sweep) stage $1 150 python3 benchmarks/sample_sweep.py --output-json "$OUT/$1.json" ;;
     kernels-sampling) stage $1 150 $PYTEST -m gpu tests/kernels/test_sample.py tests/kernels/test_sample_top_k_top_p.py tests/kernels/test_sample_rejection.py \
-      tests/kernels/test_apply_penalties.py tests/sampling ;;
+      tests/kernels/test_apply_penalties.py tests/kernels/test_logprobs_topk.py tests/sampling ;;
     nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
       --fused-sampler --output-json "$OUT/nano-x4-fused-sampler.json" ;;
     attention-sweep) stage attention-sweep 120 python3 benchmarks/attention_sweep.py --output-json "$OUT/attention-sweep.json" ;;

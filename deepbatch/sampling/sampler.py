@@ -35,6 +35,7 @@ from deepbatch.core.outputs import Logprob
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties
 from deepbatch.kernels.common import triton
+from deepbatch.kernels.logprobs_topk import logprobs_topk, logprobs_topk_ref
 from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.kernels.sample_rejection import sample_rejection
 from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
@@ -77,13 +78,14 @@ class PendingSample:
     """A step's sampled ids (and logprobs) on their way to the host.
 
     ``token_ids`` stays on the device: the runner scatters it into its token pool, where the next
-    step reads its inputs without a host sync. The host copies are queued (into pinned memory on a GPU) behind the sampling
-    kernels; ``resolve`` waits for that copy alone, not for work queued after it.
+    step reads its inputs without a host sync. The host copies are queued (into pinned memory on a
+    GPU) behind the sampling kernels; ``resolve`` waits for that copy alone, not for work queued after it.
     """
 
     def __init__(self, token_ids: torch.Tensor, logits: torch.Tensor | None, params,
-                 errors: dict[int, str] | None = None, nan_rows: torch.Tensor | None = None):
-        """``logits``: the processed logits of the step, given when a request asked for logprobs."""
+                 errors: dict[int, str] | None = None, nan_rows: torch.Tensor | None = None, fused: bool = False):
+        """``logits``: the processed logits of the step, given when a request asked for logprobs;
+        ``fused``: their logprobs from the Triton kernel rather than its torch reference."""
         self.token_ids = token_ids
         self._params = params
         self._errors = errors
@@ -92,15 +94,10 @@ class PendingSample:
         self._host = [copy_to_host(token_ids, pin)]
         self._k_max = 0
         if logits is not None:
-            # From the processed logits and their logsumexp: no [S, V] log-softmax is written.
-            lse = torch.logsumexp(logits, dim=-1)
-            chosen_logit = logits.gather(1, token_ids.unsqueeze(1))
-            rank = (logits > chosen_logit).sum(dim=1) + 1  # 1 + the tokens more likely than it
-            self._host += [copy_to_host(chosen_logit.squeeze(1) - lse, pin), copy_to_host(rank, pin)]
+            # One [S, 2 + 2k] table (kernels/logprobs_topk.py) and one copy: no [S, V] log-softmax.
             self._k_max = max((p.logprobs or 0) for p in params)
-            if self._k_max > 0:
-                vals, ids = logits.topk(self._k_max, dim=-1)
-                self._host += [copy_to_host(vals - lse.unsqueeze(1), pin), copy_to_host(ids, pin)]
+            table = (logprobs_topk if fused else logprobs_topk_ref)(logits, token_ids, self._k_max)
+            self._host.append(copy_to_host(table, pin))
         self._prompt: PendingPromptLogprobs | None = None
         self._event = None
         self._record()
@@ -128,17 +125,16 @@ class PendingSample:
             token_ids = self._host[0].tolist()
             logprobs = None
             if len(self._host) > 1:
-                chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
-                top_vals = self._host[3].tolist() if self._k_max else None
-                top_ids = self._host[4].tolist() if self._k_max else None
+                table, k = self._host[1].tolist(), self._k_max
                 logprobs = []
                 for i, p in enumerate(self._params):
                     if p.logprobs is None:
                         logprobs.append(None)
                         continue
-                    entry = {token_ids[i]: Logprob(chosen[i], ranks[i])}  # the sampled token first (vLLM)
+                    row = table[i]
+                    entry = {token_ids[i]: Logprob(row[0], int(row[1]))}  # the sampled token first (vLLM)
                     for j in range(p.logprobs):
-                        entry.setdefault(top_ids[i][j], Logprob(top_vals[i][j], j + 1))
+                        entry.setdefault(int(row[2 + k + j]), Logprob(row[2 + j], j + 1))
                     logprobs.append(entry)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
@@ -181,7 +177,7 @@ class Sampler:
         apply_grammar_bitmask(logits, requests)
         try:
             sampled, logprobs = self._sample_batch(logits, requests)
-            pending = PendingSample(sampled, logprobs, params, None, nan_rows)
+            pending = PendingSample(sampled, logprobs, params, None, nan_rows, self._fused_enabled(logits))
             remember_samples(pending, requests)
         except Exception as batch_error:  # noqa: BLE001 - isolated per row below
             logger.warning("sampling a batch of %d failed (%s: %s); sampling its rows one by one",
@@ -203,7 +199,7 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             logprobs = torch.cat([lp if lp is not None else torch.zeros_like(logits[:1]) for lp in row_logprobs])
         sampled = torch.cat(rows)
-        pending = PendingSample(sampled, logprobs, params, errors, nan_rows)
+        pending = PendingSample(sampled, logprobs, params, errors, nan_rows, self._fused_enabled(logits))
         remember_samples(pending, requests)
         self.penalties.record(sampled, requests, skip=errors)
         return pending
@@ -243,6 +239,7 @@ class Sampler:
             for k in (50, 0):  # the kernel variants with and without a top-k floor
                 sample_rejection(logits, one, zero.int() + k, one * 0.9, one * 0, zero, zero, zero.bool(),
                                  self._philox_seed, 0, max_top_k=k, any_top_p=True, any_min_p=True)
+            logprobs_topk(logits, zero, 5)
             state = torch.zeros(1, self.vocab_size, dtype=torch.int32, device=self.device)
             apply_penalties(logits, logits.clone(), zero, zero, state, state.bool(), one, one, one)
 
