@@ -182,3 +182,24 @@ def test_gpu_twenty_thousand_draws_follow_the_distribution():
     crit = chi2_crit(len(KEPT) - 1)
     assert chi2_stat(counts, truncated(DRAW_ROW, 0.8, KEPT)) < crit
     assert chi2_stat(counts, truncated(DRAW_ROW, 0.9, KEPT)) > crit
+
+
+@pytest.mark.parametrize("V,group", [(4096, 32), (5000, 32), (4100, 16)], ids=["whole", "tail", "small-groups"])
+def test_kth_largest_equals_torch_topk(V, group):
+    """Exact, ties included: rows of few distinct values (every group max ties) and rows whose top
+    logits crowd into one group or sit past the last whole group."""
+    from deepbatch.kernels.sample_rejection import kth_largest
+
+    gen = torch.Generator().manual_seed(V)
+    S, max_k = 6, 24
+    x = torch.randn(S, V, generator=gen) * 3
+    x[1] = torch.randint(0, 4, (V,), generator=gen).float()  # four values: ties everywhere
+    x[2, 64:64 + group] = 50.0 + torch.arange(group).float()  # the best in one group
+    x[3, V - (V % group or group):] = 40.0  # in the tail (or the last group)
+    x[4, ::3] = float("-inf")
+    x[5] = float("-inf")
+    x[5, 7] = 1.0
+    top_k = torch.tensor([1, 5, 24, 7, 24, 3], dtype=torch.int32)
+    got = kth_largest(x.to(DEVICE), top_k.to(DEVICE), max_k, group=group).cpu()
+    want = x.topk(max_k, dim=1).values.gather(1, (top_k.long() - 1).unsqueeze(1)).squeeze(1)
+    assert torch.equal(got, want)
