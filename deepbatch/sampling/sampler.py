@@ -172,7 +172,8 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
         # logits ends that request, whatever token the NaN would have turned into.
-        nan_rows = torch.isnan(logits).any(dim=-1)
+        # (amax propagates NaN: one pass, no [S, V] mask written as isnan().any() would.)
+        nan_rows = logits.amax(dim=-1).isnan()
         # Host work (matchers, bitmask fill) while the device still runs the forward.
         apply_grammar_bitmask(logits, requests)
         try:
