@@ -85,10 +85,10 @@ def _logprobs_topk_kernel(logits_ptr, token_ptr, tile_stats_ptr, cand_ptr, arriv
         tl.store(out_ptr + row * width, chosen - lse)
         tl.store(out_ptr + row * width + 1, rank)
 
-        j = tl.arange(0, KPAD)
-        slot = t[:, None] * KPAD + j[None, :]  # [TILES, KPAD]: every tile's candidates
-        valid = (t[:, None] < tiles) & (j[None, :] < k)
-        base = cand_ptr + row * tiles * KPAD * 2 + t[:, None] * KPAD * 2 + j[None, :]
+        c = tl.arange(0, KPAD)
+        slot = t[:, None] * KPAD + c[None, :]  # [TILES, KPAD]: every tile's candidates
+        valid = (t[:, None] < tiles) & (c[None, :] < k)
+        base = cand_ptr + row * tiles * KPAD * 2 + t[:, None] * KPAD * 2 + c[None, :]
         vals = tl.load(base, mask=valid, other=float("-inf"), cache_modifier=".cg")
         ids = tl.load(base + KPAD, mask=valid, other=0.0, cache_modifier=".cg")
         for i in range(k):
