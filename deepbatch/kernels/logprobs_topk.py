@@ -86,20 +86,17 @@ def _logprobs_topk_kernel(logits_ptr, token_ptr, tile_stats_ptr, cand_ptr, arriv
         tl.store(out_ptr + row * width + 1, rank)
 
         c = tl.arange(0, KPAD)
-        slot = t[:, None] * KPAD + c[None, :]  # [TILES, KPAD]: every tile's candidates
-        valid = (t[:, None] < tiles) & (c[None, :] < k)
+        valid = (t[:, None] < tiles) & (c[None, :] < k)  # [TILES, KPAD]: every tile's candidates
         base = cand_ptr + row * tiles * KPAD * 2 + t[:, None] * KPAD * 2 + c[None, :]
         vals = tl.load(base, mask=valid, other=float("-inf"), cache_modifier=".cg")
         ids = tl.load(base + KPAD, mask=valid, other=0.0, cache_modifier=".cg")
         for i in range(k):
             top = tl.max(tl.max(tl.where(valid, vals, float("-inf")), axis=1), axis=0)
-            # Ties: the lowest column among the candidates equal to the top.
-            pick_id = tl.min(tl.min(tl.where(valid & (vals == top), ids, 3.0e38), axis=1), axis=0)
-            pick = tl.min(tl.min(tl.where(valid & (vals == top) & (ids == pick_id), slot, 2147483647), axis=1),
-                          axis=0)
+            # Ties: the lowest column among the candidates equal to the top (columns are distinct).
+            pick = tl.min(tl.min(tl.where(valid & (vals == top), ids, 3.0e38), axis=1), axis=0)
             tl.store(out_ptr + row * width + 2 + i, top - lse)
-            tl.store(out_ptr + row * width + 2 + k + i, pick_id)
-            valid = valid & (slot != pick)
+            tl.store(out_ptr + row * width + 2 + k + i, pick)
+            valid = valid & (ids != pick)
 
 
 def logprobs_topk(logits: torch.Tensor, token_ids: torch.Tensor, k: int, block: int = 4096) -> torch.Tensor:

@@ -268,4 +268,3 @@ def kth_largest(logits: torch.Tensor, top_k: torch.Tensor, max_k: int, group: in
             candidates = torch.cat([candidates, logits[:, whole:]], dim=1)
         values = candidates.topk(max_k, dim=1).values
     return values.gather(1, (top_k.long().clamp(1, max_k) - 1).unsqueeze(1)).squeeze(1)
-
