@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                             'deepseek_v3, ...); tool_choice "required" and named functions need none')
     serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split the model's thinking into reasoning_content: deepseek_r1 or qwen3")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API processes sharing the port in front of the one engine core (HTTP, tokenization, "
+                            "detokenization and SSE spread over N processes); more than one helps when the HTTP "
+                            "side is the bottleneck. Not with --replicas or DEEPBATCH_ENGINE_PROCESS=0")
     serve.add_argument("--replicas", type=int, default=None, metavar="N",
                        help="run N engine replicas behind a Ray Serve ingress with prefix-aware routing (on this "
                             "machine, or the Ray cluster RAY_ADDRESS names); needs pip install 'deepbatch[ray]'; "
@@ -105,6 +109,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.replicas is not None:
+        raise ValueError("--api-server-count: not available with --replicas (each replica has its own server)")
+    if args.api_server_count > 1 and not envs.DEEPBATCH_ENGINE_PROCESS:
+        raise ValueError("--api-server-count needs the engine core in its own process (DEEPBATCH_ENGINE_PROCESS=1)")
     if args.replicas is not None:
         from deepbatch.serve_ray.cli import serve_replicas
 
@@ -148,12 +158,19 @@ def _serve(args: argparse.Namespace) -> int:
     if tracer_provider is not None:
         logging.getLogger("deepbatch.server").info("tracing requests to %s", traces_endpoint)
     torch.manual_seed(args.seed)
+    client_kwargs = dict(max_queued_requests=args.max_queued_requests or None,
+                         max_queued_tokens=args.max_queued_tokens or None,
+                         tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS)
+    if args.api_server_count > 1:
+        from deepbatch.api.launcher import run_api_servers
+
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # each API process makes its own
+        return run_api_servers(config, server_config, args.api_server_count, traces_endpoint=traces_endpoint,
+                               client_kwargs=client_kwargs, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP)
     # The engine core in its own process (the default), or stepped on a thread of this one.
     engine_class = EngineCoreClient if envs.DEEPBATCH_ENGINE_PROCESS else AsyncEngine
-    engine = engine_class.from_config(
-        config, max_queued_requests=args.max_queued_requests or None, max_queued_tokens=args.max_queued_tokens or None,
-        tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP,
-    )
+    engine = engine_class.from_config(config, fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP, **client_kwargs)
     # What start-up built (modules, the tokenizer, the config) lives as long as the process: keep
     # it out of the collector's generations, so the objects every token creates are collected
     # without walking it again.

@@ -28,17 +28,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TESTS = Path(__file__).resolve().parent
-# Test files that start server processes (tests/api's own modules start about 20 SmolLM2 servers
-# at once, tests/serve_ray a Ray cluster): kept on one xdist worker, one after the other, so that
-# their memory never adds up with each other's; everything else is shared out between workers.
-_SERVER_DIRS = (_TESTS / "api", _TESTS / "serve_ray")
+# Test files that start server processes, each directory kept on one xdist worker, its modules
+# one after the other: tests/api's modules start a few SmolLM2 servers at a time (conftest.py
+# there), tests/serve_ray one Ray cluster. The two groups run beside each other (a few GB each)
+# and everything else is shared out between the workers: either group alone would otherwise be
+# the run's longest chain.
+_SERVER_DIRS = {_TESTS / "api": "servers", _TESTS / "serve_ray": "ray"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(item.path).resolve().parent in _SERVER_DIRS:
-            item.add_marker(pytest.mark.xdist_group("servers"))
+        group = _SERVER_DIRS.get(Path(item.path).resolve().parent)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 TINY_COMMON = dict(

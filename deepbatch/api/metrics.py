@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from deepbatch.engine.engine_client import EngineClient
 from deepbatch.engine.snapshot import EngineSnapshot
@@ -183,9 +185,6 @@ class ServerMetrics:
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", labels,
                                     buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
-        # The same intervals as inter_token_latency, under the older name dashboards still read.
-        reg.register(_RenamedHistogram(itl, "vllm:time_per_output_token_seconds",
-                                       "Histogram of time per output token in seconds."))
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
                                       "Histogram of time spent in PREFILL phase for request.", labels,
                                       buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
@@ -204,7 +203,7 @@ class ServerMetrics:
         if cache_info is not None:
             # An info metric as vLLM writes it: a gauge fixed at 1 whose labels are the values.
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_info),
-                  registry=reg).labels(**cache_info).set(1)
+                  registry=reg, multiprocess_mode="mostrecent").labels(**cache_info).set(1)
         tl = labels + ["tenant"]
         self._tenant_requests = Counter("deepbatch:tenant_requests", "Finished requests per tenant.", tl, registry=reg)
         self._tenant_tokens = Counter("deepbatch:tenant_generation_tokens", "Generated tokens per tenant.", tl,
@@ -215,7 +214,17 @@ class ServerMetrics:
         self._tenant_children: dict[str, _TenantSeries] = {}  # tenant -> its label children
         self._success_children: dict[str, object] = {}  # finish reason -> its counter child
         self.model_name = model_name
-        reg.register(_EngineCollector(engine, model_name))
+        # Several API processes (--api-server-count) write their series to prometheus_client's
+        # multiprocess directory, and each scrape sums them from there instead of this registry.
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiprocess_dir:
+            self._render_registry = CollectorRegistry()
+            self._render_registry.register(_MergedProcesses(multiprocess_dir))
+        else:
+            self._render_registry = reg
+            # The same intervals as inter_token_latency, under the older name dashboards still read.
+            reg.register(_RenamedHistogram(itl.collect, _ITL_ALIAS, _ITL_ALIAS_DOC))
+        self._render_registry.register(_EngineCollector(engine, model_name))
         self._progress: dict[str, _Progress] = {}
         engine.add_observer(self.observe)
 
@@ -228,7 +237,7 @@ class ServerMetrics:
         return "other"
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)
 
     def _tenant_series(self, tenant: str) -> _TenantSeries:
         series = self._tenant_children.get(tenant)
@@ -310,19 +319,41 @@ class _TenantSeries:
     requests: object
 
 
+_ITL_ALIAS = "vllm:time_per_output_token_seconds"
+_ITL_ALIAS_DOC = "Histogram of time per output token in seconds."
+
+
+def _renamed(family, name: str, documentation: str) -> HistogramMetricFamily:
+    renamed = HistogramMetricFamily(name, documentation)
+    renamed.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return renamed
+
+
 class _RenamedHistogram:
     """A histogram's samples under a second name: ``vllm:time_per_output_token_seconds`` is the
     series of ``vllm:inter_token_latency_seconds`` under the name older dashboards read, so each
     interval is observed once, not twice."""
 
-    def __init__(self, source: Histogram, name: str, documentation: str):
-        self._source, self._name, self._doc = source, name, documentation
+    def __init__(self, collect, name: str, documentation: str):
+        self._collect, self._name, self._doc = collect, name, documentation
+
+    def collect(self):
+        for family in self._collect():
+            yield _renamed(family, self._name, self._doc)
+
+
+class _MergedProcesses:
+    """Every API process's series from the multiprocess directory, summed (``vllm:cache_config_info``:
+    the most recent), with the inter-token histogram also under its older name."""
+
+    def __init__(self, path: str):
+        self._source = MultiProcessCollector(None, path)
 
     def collect(self):
         for family in self._source.collect():
-            renamed = HistogramMetricFamily(self._name, self._doc)
-            renamed.samples = [s._replace(name=self._name + s.name[len(family.name):]) for s in family.samples]
-            yield renamed
+            yield family
+            if family.name == "vllm:inter_token_latency_seconds":
+                yield _renamed(family, _ITL_ALIAS, _ITL_ALIAS_DOC)
 
 
 async def log_stats_periodically(engine: EngineClient, interval: float) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 from contextlib import asynccontextmanager
 
@@ -188,6 +189,16 @@ def _call_soon(loop, fn, *args) -> None:
         pass
 
 
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` that other processes can bind too (each gets a share of
+    the connections); uvicorn listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT drains instead of closing the port at once, and whose
     second fails the in-flight requests with a proper ending instead of cutting them off."""
@@ -287,7 +298,7 @@ def run_server(engine: EngineClient, config: ServerConfig, tracer_provider=None)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, server.handle_exit)
     try:
-        server.run()
+        server.run(sockets=[_reuse_port_socket(config.host, config.port)] if config.reuse_port else None)
     finally:
         if reloading:
             signal.signal(signal.SIGHUP, previous)

@@ -36,6 +36,9 @@ class ServerConfig:
     # thread of this process (DEEPBATCH_ENGINE_PROCESS=0) "asyncio" served a fifth more at
     # saturation: the engine thread shares the interpreter lock with the loop (docs/benchmarks.md).
     event_loop: str = "auto"
+    # Bind the port with SO_REUSEPORT, beside the other API processes of one engine core
+    # (``--api-server-count``, deepbatch/api/launcher.py); the kernel spreads connections over them.
+    reuse_port: bool = False
 
 
 @dataclass

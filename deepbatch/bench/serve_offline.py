@@ -8,8 +8,9 @@ engine's output throughput the server delivers.
 Every engine flag after the model (``--max-num-seqs``, ``--kv-cache-dtype``, ...) is given to
 both the offline engine and the server. Each side runs in a process of its own, one after the
 other, so each has the whole GPU: the offline engine first, then one server per ``--variants``
-entry (``process``: the engine core in its own process, the default; ``thread``: the engine
-stepped on a thread of the API process, ``DEEPBATCH_ENGINE_PROCESS=0``). The load is
+entry (``process``: the engine core in its own process, the default; ``apiN``: the same with N
+API processes, ``--api-server-count N``; ``thread``: the engine stepped on a thread of the API
+process, ``DEEPBATCH_ENGINE_PROCESS=0``). The load is
 ``deepbatch bench serve`` with every request sent at once (streamed, token-id prompts,
 ``ignore_eos``), from ``--num-client-processes`` processes so the client is never the limit.
 ``--single-stream N`` adds N requests one at a time per server for TTFT and TPOT at no load;
@@ -33,6 +34,15 @@ from deepbatch.engine_args import add_engine_args
 _VARIANT_ENV = {"process": {"DEEPBATCH_ENGINE_PROCESS": "1"}, "thread": {"DEEPBATCH_ENGINE_PROCESS": "0"}}
 
 
+def _variant(name: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's environment and extra server flags; ValueError for an unknown one."""
+    if name in _VARIANT_ENV:
+        return _VARIANT_ENV[name], []
+    if name.startswith("api") and name[3:].isdigit() and int(name[3:]) >= 1:
+        return _VARIANT_ENV["process"], ["--api-server-count", name[3:]]
+    raise ValueError(f"--variants: unknown {name!r}; choose from process, thread, apiN (N API processes)")
+
+
 def _bench_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -42,7 +52,8 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-seed", type=int, default=0, help="the prompts' seed")
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
                    "(default: the model's vocabulary)")
-    p.add_argument("--variants", default="process", help="comma-separated: process, thread")
+    p.add_argument("--variants", default="process", help="comma-separated: process, thread, apiN (e.g. api2: "
+                   "--api-server-count 2)")
     p.add_argument("--num-client-processes", type=int, default=4)
     p.add_argument("--single-stream", type=int, default=0, metavar="N")
     p.add_argument("--disconnect", type=int, default=0, metavar="R",
@@ -141,16 +152,19 @@ def _get(url: str) -> int:
 
 
 def _start_server(engine_argv: list[str], bench: argparse.Namespace, variant: str, log_path: str) -> subprocess.Popen:
+    env, flags = _variant(variant)
     cmd = [sys.executable, "-m", "deepbatch.cli", "serve", *engine_argv, "--host", "127.0.0.1",
-           "--port", str(bench.port), "--max-queued-requests", "0"]
+           "--port", str(bench.port), "--max-queued-requests", "0", *flags]
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_VARIANT_ENV[variant]})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the {variant} server exited with {proc.returncode}; see {log_path}")
         try:
             if _get(f"http://127.0.0.1:{bench.port}/health") == 200:
+                if flags:  # the first API process answers; the others bind the port within moments
+                    time.sleep(3)
                 return proc
         except OSError:
             pass
@@ -203,9 +217,8 @@ def run(argv: list[str]) -> dict:
             json.dump(result, f)
         return result
     variants = [v.strip() for v in bench.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in _VARIANT_ENV]
-    if unknown:
-        raise ValueError(f"--variants: unknown {unknown}; choose from {', '.join(_VARIANT_ENV)}")
+    for v in variants:
+        _variant(v)  # an unknown one fails before the offline run
     vocab = _vocab_size(bench, engine_argv)
     out_dir = tempfile.mkdtemp(prefix="deepbatch-serve-vs-offline-")
     offline = _offline_in_child(_bench_only(argv, engine_argv), engine_argv, out_dir)

@@ -28,25 +28,25 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import zmq
 import zmq.asyncio
 
 from deepbatch.config import EngineConfig
-from deepbatch.core.errors import EngineDeadError, InvalidRequestError
-from deepbatch.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepbatch.core.errors import EngineDeadError
 from deepbatch.engine.core_messages import (
-    Abort, AddRequest, CompletionDelta, Dead, OutputDelta, Ready, Shutdown, StepOutputs, decode_core_message, encode,
-    wire_params,
+    Abort, AddRequest, Dead, Ready, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
 )
 from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
 from deepbatch.engine.engine_client import CheckedPrompt, EngineClient
 from deepbatch.engine.llm_engine import LLMEngine
+from deepbatch.engine.output_assembler import OutputAssembler, refusal_error
 from deepbatch.engine.snapshot import EngineSnapshot
 from deepbatch.executor.launch import choose_start_method
 from deepbatch.kv_cache.manager import KVCacheManager
@@ -92,35 +92,57 @@ class Frontend:
         return self.source.name
 
 
+@dataclass(frozen=True)
+class CoreSeat:
+    """One of several API processes' place at an engine core started by the launcher: its index
+    (its pair in ``addresses``) and the core's pid."""
+
+    index: int
+    addresses: CoreAddresses
+    core_pid: int
+
+
 class EngineCoreClient(EngineClient):
     """Observers and dead callbacks run on the event loop."""
 
     def __init__(self, config: EngineConfig, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None, tokenizer_threads: int = 2,
-                 fault_inject_step: int | None = None, ready_timeout: float | None = None):
-        """Start the core process and wait until its engine is ready (the model loaded, the KV
-        cache allocated); raises RuntimeError if it fails to start."""
-        self._dir = tempfile.mkdtemp(prefix="deepbatch-core-")
-        addresses = CoreAddresses(f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
+                 fault_inject_step: int | None = None, ready_timeout: float | None = None,
+                 seat: CoreSeat | None = None):
+        """Start the core process (or, given a ``seat``, join the launcher's) and wait until its
+        engine is ready (the model loaded, the KV cache allocated); raises RuntimeError if it
+        fails to start."""
+        if seat is None:
+            self._dir = tempfile.mkdtemp(prefix="deepbatch-core-")
+            addresses, index = CoreAddresses.in_dir(self._dir), 0
+        else:
+            self._dir = None
+            addresses, index = seat.addresses, seat.index
         self._ctx = zmq.Context()
         self._inputs = self._ctx.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(addresses.inputs)
+        self._inputs.bind(addresses.inputs[index])
         outputs = self._ctx.socket(zmq.PULL)
         outputs.setsockopt(zmq.RCVHWM, 0)
         outputs.setsockopt(zmq.LINGER, 0)
-        outputs.bind(addresses.outputs)
-        # A CUDA core is spawned: this process asked the driver about devices while it built the
-        # config, and a forked child of such a process cannot use CUDA.
-        mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
-        self.process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
-                                  args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
-        self.process.start()
-        set_process_title("deepbatch::APIServer")
-        # multiprocessing joins a non-daemon child at exit (the core cannot be a daemon: it starts
-        # the tensor-parallel workers); an API process that exits without a shutdown stops it first.
-        atexit.register(self._reap)
+        outputs.bind(addresses.outputs[index])
+        if seat is None:
+            # A CUDA core is spawned: this process asked the driver about devices while it built
+            # the config, and a forked child of such a process cannot use CUDA.
+            mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
+            process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
+                                 args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
+            process.start()
+            self._core: _OwnCore | _SharedCore = _OwnCore(process)
+            set_process_title("deepbatch::APIServer")
+            # multiprocessing joins a non-daemon child at exit (the core cannot be a daemon: it
+            # starts the tensor-parallel workers); an API process that exits without a shutdown
+            # stops it first.
+            atexit.register(self._reap)
+        else:
+            self._core = _SharedCore(seat.core_pid)
+            set_process_title(f"deepbatch::APIServer_{index}")
         ready = self._wait_ready(outputs, ready_timeout)
         self._sync_outputs = outputs  # read by the reader task, through an asyncio shadow
         self._send_lock = threading.Lock()  # a ZMQ socket is not thread-safe; shutdown may run off the loop
@@ -151,9 +173,9 @@ class EngineCoreClient(EngineClient):
                 if isinstance(message, Dead):
                     self._reap()
                     raise RuntimeError(message.message)
-            if not self.process.is_alive():
+            if not self._core.is_alive():
                 self._reap()
-                raise RuntimeError(f"the engine core process exited with {self.process.exitcode} before it was ready")
+                raise RuntimeError(f"the engine core process {self._core.exit_status()} before it was ready")
             if deadline is not None and time.monotonic() > deadline:
                 self._reap()
                 raise RuntimeError(f"the engine core was not ready after {timeout} s")
@@ -182,17 +204,22 @@ class EngineCoreClient(EngineClient):
             return
         self._loop = asyncio.get_running_loop()
         self._reader = self._loop.create_task(self._read(zmq.asyncio.Socket.from_socket(self._sync_outputs)))
-        # The process's sentinel turns readable when it exits, whatever the cause (SIGKILL too).
-        self._loop.add_reader(self.process.sentinel, self._on_core_exit)
+        # Readable when the core exits, whatever the cause (SIGKILL too).
+        self._loop.add_reader(self._core.fileno(), self._on_core_exit)
 
     def shutdown(self, timeout: float = _JOIN_S) -> None:
-        """Stop the core after the step in progress (idempotent; any thread). Requests still open
-        end with EngineDeadError."""
+        """Stop the core after the step in progress (idempotent; any thread); a core shared with
+        other API processes only drops this one's requests (the launcher stops it). Requests
+        still open end with EngineDeadError."""
         if self._stopped:
             return
         self._stopped = self._stopping = True
-        self._send(Shutdown())
-        self.process.join(timeout)
+        if isinstance(self._core, _OwnCore):
+            self._send(Shutdown())
+            self._core.process.join(timeout)
+        else:
+            # Read on the loop's thread only by the loop; a list() of a dict is atomic enough.
+            self._send(Abort(list(self._streams)))
         self._reap()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._loop is not None and not self._loop.is_closed():
@@ -202,20 +229,21 @@ class EngineCoreClient(EngineClient):
                 pass
 
     def _reap(self) -> None:
-        if self.process.is_alive():
+        if isinstance(self._core, _OwnCore) and self._core.process.is_alive():
             logger.warning("the engine core did not stop; killing it")
-            self.process.kill()
-            self.process.join(5)
-        shutil.rmtree(self._dir, ignore_errors=True)
+            self._core.process.kill()
+            self._core.process.join(5)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _on_core_exit(self) -> None:
-        self._loop.remove_reader(self.process.sentinel)
+        self._loop.remove_reader(self._core.fileno())
         if self._stopped:
             return
         # Messages the core sent before it exited (its Dead, with the cause) are read first.
-        self.process.join(1.0)
+        self._core.join(1.0)
         self._loop.call_later(0.5, self._end, EngineDeadError(
-            f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"))
+            f"the engine core process {self._core.exit_status()}"))
 
     def _end(self, error: EngineDeadError) -> None:
         """Fail every open request; without a shutdown asked for, the engine is dead."""
@@ -292,7 +320,7 @@ class EngineCoreClient(EngineClient):
             if delta.refusal is not None:
                 self._assembler.drop(delta.request_id)
                 if stream is not None:
-                    errors.append((stream, _refusal_error(delta.refusal)))
+                    errors.append((stream, refusal_error(delta.refusal)))
                 continue
             out = self._assembler.apply(delta)
             outputs.append(out)
@@ -303,73 +331,41 @@ class EngineCoreClient(EngineClient):
         self._deliver(pairs)
         self._deliver_error(errors)
 
-class OutputAssembler:
-    """Each request's cumulative ``RequestOutput``, rebuilt from the core's deltas."""
+class _OwnCore:
+    """The core as this process's child."""
 
-    def __init__(self) -> None:
-        self._outputs: dict[str, RequestOutput] = {}  # parent id -> its output so far
+    def __init__(self, process):
+        self.process = process
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], tenant: str) -> None:
-        """A request sent to the core: what its deltas are applied to (they carry no prompt)."""
-        self._outputs[request_id] = RequestOutput(request_id, prompt, prompt_token_ids, tenant=tenant)
+    def fileno(self) -> int:
+        return self.process.sentinel  # readable once the process has exited
 
-    def drop(self, request_id: str) -> None:
-        self._outputs.pop(request_id, None)
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
 
-    def clear(self) -> None:
-        self._outputs.clear()
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
 
-    def apply(self, delta: OutputDelta) -> RequestOutput:
-        """The request's cumulative output with ``delta`` applied (a new object each time: a
-        stream holds the newest output and a reader may still be looking at the previous one)."""
-        previous = self._outputs.get(delta.request_id)
-        if previous is None:  # not added here (cannot happen while the link is whole): no prompt to carry
-            previous = RequestOutput(delta.request_id, None, [])
-        before = previous.outputs
-        if len(delta.completions) == 1 and len(before) <= 1:  # one sample: no index map needed
-            completions = [_applied(before[0] if before else None, delta.completions[0])]
-        else:
-            by_index = {c.index: c for c in before}
-            for c in delta.completions:
-                by_index[c.index] = _applied(by_index.get(c.index), c)
-            completions = [by_index[i] for i in sorted(by_index)]
-        prompt_logprobs = previous.prompt_logprobs
-        if delta.prompt_logprobs is not None:
-            prompt_logprobs = (prompt_logprobs or [])[:delta.prompt_logprobs_offset] + [
-                None if entry is None else {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()}
-                for entry in delta.prompt_logprobs]
-        m = delta.metrics
-        out = RequestOutput(
-            request_id=delta.request_id, prompt=previous.prompt, prompt_token_ids=previous.prompt_token_ids,
-            outputs=completions, finished=delta.finished, num_cached_tokens=delta.num_cached_tokens,
-            error=delta.error, error_code=delta.error_code,
-            metrics=RequestMetrics(*m) if m is not None else previous.metrics, tenant=previous.tenant,
-            prompt_logprobs=prompt_logprobs)
-        if delta.finished:
-            self._outputs.pop(delta.request_id, None)
-        else:
-            self._outputs[delta.request_id] = out
-        return out
+    def exit_status(self) -> str:
+        return f"exited unexpectedly (exit code {self.process.exitcode})"
 
 
-def _applied(before: CompletionOutput | None, c: CompletionDelta) -> CompletionOutput:
-    """One sample's output with its delta applied."""
-    if before is None:
-        text, token_ids, logprobs = c.text, c.token_ids, None
-    else:
-        text = before.text + c.text if c.text_offset == len(before.text) else before.text[:c.text_offset] + c.text
-        token_ids = before.token_ids[:c.token_offset] + c.token_ids
-        logprobs = before.logprobs
-    if c.logprobs is not None:
-        logprobs = (logprobs or [])[:c.logprobs_offset] + [
-            {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in c.logprobs]
-    return CompletionOutput(c.index, text, token_ids, c.finish_reason, c.stop_reason, logprobs)
+class _SharedCore:
+    """The launcher's core, watched through a pid file descriptor (readable once it has exited;
+    its exit code is the launcher's to read). The descriptor lives as long as this process."""
 
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
 
-def _refusal_error(refusal: tuple[str, str | None, str, str]) -> Exception:
-    kind, param, message, code = refusal
-    if kind == "invalid":
-        error = InvalidRequestError(None, message, code)
-        error.param = param
-        return error
-    return RuntimeError(message)
+    def fileno(self) -> int:
+        return self._fd
+
+    def is_alive(self) -> bool:
+        return not select.select([self._fd], [], [], 0)[0]
+
+    def join(self, timeout: float) -> None:
+        select.select([self._fd], [], [], timeout)
+
+    def exit_status(self) -> str:
+        return f"(pid {self.pid}) exited unexpectedly"

@@ -13,10 +13,18 @@ request's checks, compiling its grammar), so the loop only appends ready ``Reque
 the scheduler between steps. One message leaves per engine iteration, whatever the number of
 requests and tokens in it.
 
-The core exits when the API process asks (``Shutdown``), when the API process is gone (its pid
-is no longer our parent: a killed server leaves no engine holding the GPU), and when a step
-fails (after sending ``Dead``). SIGINT and SIGTERM are ignored: the API process drains first and
-then asks the core to stop, so a signal sent to the whole process group does not cut the drain.
+Several API processes can share one core (``deepbatch serve --api-server-count N``): each has its
+own pair of sockets, the input thread polls them all, and each step's outputs are split by the
+API process that sent each request, every one of them getting one message per step (with the
+waiting counts its queue bounds read). Request ids are unique across them: an id already held
+by one is refused to another as a duplicate, as it would be within one.
+
+The core exits when its parent asks (``Shutdown``), when its parent is gone (its pid is no
+longer our parent: a killed server leaves no engine holding the GPU), and when a step fails
+(after sending ``Dead``). The parent is the API process, or with several of them the launcher
+(``deepbatch/api/launcher.py``). SIGINT and SIGTERM are ignored: the API processes drain first
+and then the core is asked to stop, so a signal sent to the whole process group does not cut the
+drain.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -37,10 +45,10 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import InvalidRequestError
 from deepbatch.core.request import Request
 from deepbatch.engine.core_messages import (
-    SNAPSHOT_INTERVAL_S, Abort, AddRequest, CompletionDelta, Dead, OutputDelta, Ready, Shutdown, StepOutputs,
+    SNAPSHOT_INTERVAL_S, Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs,
     decode_client_message, encode,
 )
-from deepbatch.engine.output_processor import parent_state
+from deepbatch.engine.core_deltas import OutputDeltas, refusal
 from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
 
 logger = logging.getLogger("deepbatch.engine_core")
@@ -51,15 +59,22 @@ _PARENT_POLL_MS = 200
 
 @dataclass(frozen=True)
 class CoreAddresses:
-    """ZMQ endpoints: the core PULLs ``inputs`` and PUSHes ``outputs``; the API process binds both."""
+    """ZMQ endpoints, one pair per API process: the core PULLs ``inputs[i]`` and PUSHes
+    ``outputs[i]``; API process ``i`` binds both."""
 
-    inputs: str
-    outputs: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @classmethod
+    def in_dir(cls, directory: str, num_clients: int = 1) -> CoreAddresses:
+        return cls(tuple(f"ipc://{directory}/inputs-{i}" for i in range(num_clients)),
+                   tuple(f"ipc://{directory}/outputs-{i}" for i in range(num_clients)))
 
 
 @dataclass
 class _Added:
     requests: list[Request]
+    client: int = 0  # the API process that sent it
 
 
 @dataclass
@@ -68,6 +83,16 @@ class _Refused:
     error: BaseException
     num_seqs: int  # what the API process counted as on its way to the queue
     num_tokens: int
+    client: int = 0
+    duplicate: bool = False  # the id is held by a request of another API process
+
+
+@dataclass
+class _Abort:
+    """An ``Abort`` from one of several API processes."""
+
+    request_ids: list[str]
+    client: int
 
 
 class _Stop(Exception):
@@ -87,15 +112,9 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
     # Its own context, so that an exit can flush what is queued on it (the last message says
     # why) while the input thread still holds the other socket.
     out_ctx = zmq.Context()
-    outputs = out_ctx.socket(zmq.PUSH)
-    # No high-water mark: a busy API process must never stall the engine's loop on a send.
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.setsockopt(zmq.LINGER, 2000)
-    outputs.connect(addresses.outputs)
-    inputs = ctx.socket(zmq.PULL)
-    inputs.setsockopt(zmq.RCVHWM, 0)
-    inputs.setsockopt(zmq.LINGER, 0)
-    inputs.connect(addresses.inputs)
+    # No high-water marks: a busy API process must never stall the engine's loop on a send.
+    outputs = [_connected(out_ctx, zmq.PUSH, zmq.SNDHWM, 2000, address) for address in addresses.outputs]
+    inputs = [_connected(ctx, zmq.PULL, zmq.RCVHWM, 0, address) for address in addresses.inputs]
     engine = None
     try:
         import torch
@@ -109,7 +128,9 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         # collector's generations, the objects each step creates are collected without them.
         gc.collect()
         gc.freeze()
-        outputs.send(encode(core.ready()))
+        ready = encode(core.ready())
+        for socket in outputs:
+            socket.send(ready)
         threading.Thread(target=core.read_inputs, args=(inputs, parent_pid), name="deepbatch-core-input",
                          daemon=True).start()
         core.run()
@@ -118,15 +139,26 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         message = f"the engine stopped after an error in a model step: {type(e).__name__}: {e}"[:1000]
         _send_quietly(outputs, Dead(message))
         _stop_engine(engine)
-        outputs.close(linger=2000)
+        for socket in outputs:
+            socket.close(linger=2000)
         out_ctx.term()  # waits until Dead is delivered (or 2 s)
         os._exit(1)  # the input thread may sit in a socket call; nothing else needs to run
     _stop_engine(engine)
     _send_quietly(outputs, Dead("the engine was shut down", stopped=True))
-    outputs.close(linger=2000)
+    for socket in outputs:
+        socket.close(linger=2000)
     out_ctx.term()
-    inputs.close()
+    for socket in inputs:
+        socket.close()
     ctx.term()
+
+
+def _connected(ctx, kind: int, hwm_option: int, linger_ms: int, address: str):
+    socket = ctx.socket(kind)
+    socket.setsockopt(hwm_option, 0)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    socket.connect(address)
+    return socket
 
 
 def _stop_engine(engine) -> None:
@@ -139,11 +171,13 @@ def _stop_engine(engine) -> None:
         logger.exception("stopping the engine failed")
 
 
-def _send_quietly(socket, message) -> None:
-    try:
-        socket.send(encode(message), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
+def _send_quietly(sockets, message) -> None:
+    data = encode(message)
+    for socket in sockets:
+        try:
+            socket.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
 
 def set_process_title(title: str) -> None:
@@ -157,14 +191,19 @@ def set_process_title(title: str) -> None:
 
 class EngineCore:
     def __init__(self, engine, outputs, fault_inject_step: int | None = None):
+        """``outputs``: the PUSH socket to each API process (one socket alone: one API process)."""
         self.engine = engine
-        self.outputs = outputs
+        self.outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._fault_inject_step = fault_inject_step
         self._num_step_calls = 0
-        self._sent: dict[str, _SentSoFar] = {}  # parent id -> how much of its output was sent
-        self._applied_seqs = 0
-        self._applied_tokens = 0
+        self._deltas = OutputDeltas()
+        # Sequences and prompt tokens of every AddRequest applied so far, per API process.
+        self._applied = [[0, 0] for _ in self.outputs]
+        # With several API processes: parent id -> the one that sent it (written by the input
+        # thread when a request arrives, removed by the loop when its last output leaves).
+        self._owner: dict[str, int] = {}
+        self._routed: list[tuple[int, OutputDelta]] = []  # refusals, to whoever sent the request
         self._snapshot = EngineSnapshot()
         self._snapshot_time = 0.0
         engine.add_fault_listener(self.on_fault)
@@ -175,36 +214,56 @@ class EngineCore:
 
     # -- the input thread -------------------------------------------------------------------------
 
-    def read_inputs(self, socket, parent_pid: int) -> None:
-        engine = self.engine
+    def read_inputs(self, sockets, parent_pid: int) -> None:
+        """``sockets``: the PULL socket from each API process, in the order of ``outputs``."""
+        sockets = list(sockets) if isinstance(sockets, (list, tuple)) else [sockets]
         poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
+        client_of = {socket: i for i, socket in enumerate(sockets)}
         while True:
-            if not poller.poll(_PARENT_POLL_MS):
+            ready = poller.poll(_PARENT_POLL_MS)
+            if not ready:
                 if os.getppid() != parent_pid:
-                    logger.error("the API process (pid %d) is gone; stopping the engine core", parent_pid)
+                    logger.error("the parent process (pid %d) is gone; stopping the engine core", parent_pid)
                     self.inbox.put(Shutdown())
                     return
                 continue
-            try:
-                message = decode_client_message(socket.recv())
-            except Exception:  # noqa: BLE001 - a message we cannot read is dropped, never fatal
-                logger.exception("dropped an unreadable message from the API process")
-                continue
-            if isinstance(message, AddRequest):
-                prompt = {"prompt_token_ids": message.prompt_token_ids, "prompt": message.prompt}
+            for socket, _ in ready:
                 try:
-                    requests = engine.make_requests(message.request_id, prompt, message.params, message.priority,
-                                                    message.tenant, message.arrival_time)
-                except Exception as e:  # noqa: BLE001 - refused requests are answered, never fatal
-                    n = message.params.n
-                    self.inbox.put(_Refused(message.request_id, e, n, n * len(message.prompt_token_ids)))
+                    message = decode_client_message(socket.recv())
+                except Exception:  # noqa: BLE001 - a message we cannot read is dropped, never fatal
+                    logger.exception("dropped an unreadable message from an API process")
                     continue
-                self.inbox.put(_Added(requests))
-            else:
-                self.inbox.put(message)
-                if isinstance(message, Shutdown):
+                if self._take(message, client_of[socket]):
                     return
+
+    def _take(self, message, client: int) -> bool:
+        """One message from API process ``client`` into the inbox; True on ``Shutdown``."""
+        if isinstance(message, AddRequest):
+            n = message.params.n
+            if len(self.outputs) > 1:
+                if message.request_id in self._owner:
+                    error = InvalidRequestError("request_id", f"request id {message.request_id!r} is already in use",
+                                                code="duplicate_request_id")
+                    self.inbox.put(_Refused(message.request_id, error, n, n * len(message.prompt_token_ids), client,
+                                            duplicate=True))
+                    return False
+                self._owner[message.request_id] = client
+            prompt = {"prompt_token_ids": message.prompt_token_ids, "prompt": message.prompt}
+            try:
+                requests = self.engine.make_requests(message.request_id, prompt, message.params, message.priority,
+                                                     message.tenant, message.arrival_time)
+            except Exception as e:  # noqa: BLE001 - refused requests are answered, never fatal
+                self.inbox.put(_Refused(message.request_id, e, n, n * len(message.prompt_token_ids), client))
+                return False
+            self.inbox.put(_Added(requests, client))
+        elif isinstance(message, Abort) and len(self.outputs) > 1:
+            self.inbox.put(_Abort(message.request_ids, client))
+        else:
+            self.inbox.put(message)
+            return isinstance(message, Shutdown)
+        return False
 
     # -- the busy loop ------------------------------------------------------------------------------
 
@@ -232,7 +291,7 @@ class EngineCore:
                 steps_before = engine.stats.num_steps
                 progressed = engine.step_requests()
                 idle = engine.stats.num_steps == steps_before and not progressed
-                deltas.extend(self._delta(pid, children) for pid, children in progressed)
+                deltas.extend(self._deltas(pid, children) for pid, children in progressed)
             has_work = engine.has_unfinished_requests()
             end = time.monotonic()
             waiting_after = (engine.scheduler.num_waiting, waiting_tokens(engine))
@@ -242,13 +301,32 @@ class EngineCore:
                 self._snapshot = take_snapshot(engine, self._snapshot, refresh=not has_work)
                 self._snapshot_time = end
                 snapshot = pickle.dumps(self._snapshot)
-            self.outputs.send(encode(StepOutputs(
-                deltas, waiting_after[0], waiting_after[1], self._applied_seqs, self._applied_tokens,
-                start, end, backlog, waiting_before, waiting_after, snapshot)), copy=False)
+            for client, client_deltas in self._route(deltas):
+                applied = self._applied[client]
+                self.outputs[client].send(encode(StepOutputs(
+                    client_deltas, waiting_after[0], waiting_after[1], applied[0], applied[1],
+                    start, end, backlog, waiting_before, waiting_after, snapshot)), copy=False)
             busy_since = end if has_work else None
             # Nothing could be scheduled (waiting on KV blocks that no step will free): wait a
             # little for the next command instead of spinning.
             wait = 0.01 if idle else 0.0
+
+    def _route(self, deltas: list[OutputDelta]) -> list[tuple[int, list[OutputDelta]]]:
+        """Each API process with its share of one step's outputs (every one gets a message)."""
+        if len(self.outputs) == 1:
+            return [(0, deltas)]
+        shares: list[list[OutputDelta]] = [[] for _ in self.outputs]
+        for client, delta in self._routed:
+            shares[client].append(delta)
+        self._routed.clear()
+        owner = self._owner
+        for delta in deltas:
+            client = owner.pop(delta.request_id, None) if delta.finished else owner.get(delta.request_id)
+            if client is None:  # cannot happen: every request arrives through _take
+                logger.error("no API process holds request %s; its output is dropped", delta.request_id)
+                continue
+            shares[client].append(delta)
+        return list(enumerate(shares))
 
     def _take_inbox(self, timeout: float | None) -> list:
         """Everything in the inbox; first waits up to ``timeout`` seconds for one item (None:
@@ -275,88 +353,40 @@ class EngineCore:
         for cmd in commands:
             if isinstance(cmd, _Added):
                 requests = cmd.requests
-                self._applied_seqs += len(requests)
-                self._applied_tokens += len(requests[0].prompt_token_ids) * len(requests)
+                applied = self._applied[cmd.client]
+                applied[0] += len(requests)
+                applied[1] += len(requests[0].prompt_token_ids) * len(requests)
                 try:
                     engine.enqueue(requests)
                 except Exception as e:  # noqa: BLE001 - one request that cannot be queued ends alone
                     logger.exception("request %s could not be queued", requests[0].parent_id)
                     engine.abort_request(requests[0].parent_id)
-                    deltas.append(_refusal(requests[0].parent_id, e))
+                    deltas.append(refusal(requests[0].parent_id, e))
             elif isinstance(cmd, _Refused):
-                self._applied_seqs += cmd.num_seqs
-                self._applied_tokens += cmd.num_tokens
-                deltas.append(_refusal(cmd.request_id, cmd.error))
-            elif isinstance(cmd, Abort):
+                applied = self._applied[cmd.client]
+                applied[0] += cmd.num_seqs
+                applied[1] += cmd.num_tokens
+                answer = refusal(cmd.request_id, cmd.error)
+                if len(self.outputs) == 1:
+                    deltas.append(answer)
+                else:  # answered to the sender only: a duplicate id is held by another request
+                    self._routed.append((cmd.client, answer))
+                    if not cmd.duplicate:
+                        self._owner.pop(cmd.request_id, None)
+            elif isinstance(cmd, (Abort, _Abort)):
+                # From one of several API processes: only the requests it sent.
+                sender = cmd.client if isinstance(cmd, _Abort) else None
                 for request_id in cmd.request_ids:
                     children = engine.outputs.parents.get(request_id)
-                    if children is not None:
+                    if children is not None and (sender is None or self._owner.get(request_id) == sender):
                         engine.abort_request(request_id)
-                        deltas.append(self._delta(request_id, children))
+                        deltas.append(self._deltas(request_id, children))
             elif isinstance(cmd, _HealthCheck):
                 engine.check_health()  # raises: the core dies
             elif isinstance(cmd, Shutdown):
                 raise _Stop
         return deltas
 
-    def _delta(self, parent_id: str, children: list[Request]) -> OutputDelta:
-        """What is new of a parent request since the last message: read from its samples
-        directly, so a step costs the new tokens, not a copy of every output so far."""
-        sent = self._sent.get(parent_id)
-        if sent is None:  # not setdefault: no throwaway object per request per step
-            sent = self._sent[parent_id] = _SentSoFar()
-        completions = []
-        for r in children:
-            text, ids, logprobs = r.output_text, r.output_token_ids, r.logprobs
-            text_len, num_tokens, num_logprobs = sent.completions.get(r.index, (0, 0, 0))
-            # A stop string can take back text held so far: resend from the common prefix.
-            text_offset = min(text_len, len(text))
-            completions.append(CompletionDelta(
-                r.index, text_offset, text[text_offset:], num_tokens, ids[num_tokens:], r.finish_reason,
-                r.stop_reason, num_logprobs,
-                None if logprobs is None else [{t: (lp.logprob, lp.rank) for t, lp in entry.items()}
-                                               for entry in logprobs[num_logprobs:]]))
-            sent.completions[r.index] = (len(text), len(ids), len(logprobs) if logprobs is not None else 0)
-        first = children[0]
-        prompt_offset = sent.num_prompt_logprobs
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None and len(first.prompt_logprobs) > prompt_offset:
-            prompt_logprobs = [None if entry is None else {t: (lp.logprob, lp.rank) for t, lp in entry.items()}
-                               for entry in first.prompt_logprobs[prompt_offset:]]
-            sent.num_prompt_logprobs = len(first.prompt_logprobs)
-        if len(children) == 1:  # the common case, without parent_state's generality
-            finished, error = first.is_finished, first.error
-        else:
-            finished, error = all(r.is_finished for r in children), next((r.error for r in children if r.error), None)
-        # The metrics change at the first token and at the end: sent then, carried over between.
-        metrics = None
-        if finished or error is not None or not sent.started:
-            _, num_cached, error, error_code, m = parent_state(children)
-            sent.started = first.first_token_time is not None
-            metrics = (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions)
-        else:
-            num_cached, error_code = max(first.num_cached_tokens, 0), None
-        if finished:
-            del self._sent[parent_id]
-        return OutputDelta(parent_id, completions, finished, num_cached, error, error_code, metrics, prompt_offset,
-                           prompt_logprobs)
-
-
-@dataclass
-class _SentSoFar:
-    # sample index -> (text chars, token ids, logprobs) already sent
-    completions: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    num_prompt_logprobs: int = 0
-    started: bool = False  # metrics with a first token time were sent
-
 
 class _HealthCheck:
     """The loop was idle and a rank reported a failure: raise it on the loop."""
-
-
-def _refusal(request_id: str, error: BaseException) -> OutputDelta:
-    if isinstance(error, InvalidRequestError):
-        refusal = ("invalid", error.param, str(error), error.code)
-    else:
-        refusal = ("error", None, f"{type(error).__name__}: {error}"[:1000], "internal_error")
-    return OutputDelta(request_id, [], True, 0, None, None, None, refusal=refusal)

@@ -12,7 +12,7 @@ import zmq
 
 from deepbatch import SamplingParams
 from deepbatch.core.errors import InvalidRequestError
-from deepbatch.engine.core_client import OutputAssembler, _refusal_error
+from deepbatch.engine.output_assembler import OutputAssembler, refusal_error
 from deepbatch.engine.core_messages import Abort, Shutdown, StepOutputs, decode_core_message
 from deepbatch.engine.core_process import EngineCore, _Added, _Refused
 
@@ -57,7 +57,7 @@ def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, li
             pending_after = []
             for delta in message.outputs:
                 if delta.refusal is not None:
-                    finals[delta.request_id] = _refusal_error(delta.refusal)
+                    finals[delta.request_id] = refusal_error(delta.refusal)
                     open_ids.discard(delta.request_id)
                     continue
                 out = assembler.apply(delta)
@@ -139,3 +139,63 @@ def test_a_request_with_a_compiled_grammar_crosses_without_it(smollm_llm):
     assert message.params == params and message.params._compiled_grammar is None
     (request,) = smollm_llm.engine.make_requests("r", {"prompt_token_ids": [1, 2]}, message.params)
     assert request.structured_output is not None  # the core's own grammar
+
+
+def test_api_processes_sharing_a_core_each_get_their_own_requests(smollm_llm):
+    """Several API processes (--api-server-count): each step's outputs go to the one that sent
+    each request, an id held by one is refused to another, and one cannot abort another's."""
+    import time
+
+    from deepbatch.engine.core_messages import AddRequest, decode_client_message, encode
+
+    engine = smollm_llm.engine
+    ctx = zmq.Context.instance()
+    pulls, pushes = [], []
+    for _ in range(2):
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        pulls.append(pull)
+        pushes.append(push)
+    core = EngineCore(engine, pushes)
+
+    def send(message, client):  # as the input thread takes it off the wire
+        core._take(decode_client_message(encode(message)), client)
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for request_id, client in (("a", 0), ("b", 1), ("c", 1), ("a", 1)):
+        send(AddRequest(request_id, [1, 2, 3, 4], None, params, 0, "t", time.monotonic()), client)
+    send(Abort(["c"]), 0)  # c is API process 1's
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    received: list[list[StepOutputs]] = [[], []]
+    finished: list[dict] = [{}, {}]
+    try:
+        while len(finished[0]) < 1 or len(finished[1]) < 3:
+            for client, pull in enumerate(pulls):
+                while pull.poll(100):
+                    message = decode_core_message(pull.recv())
+                    received[client].append(message)
+                    for delta in message.outputs:
+                        if delta.finished:
+                            finished[client].setdefault(delta.request_id, []).append(delta)
+            assert thread.is_alive()
+    finally:
+        core.inbox.put(Shutdown())
+        thread.join(30)
+        for s in pulls + pushes:
+            s.close(0)
+    assert set(finished[0]) == {"a"} and set(finished[1]) == {"a", "b", "c"}
+    assert {d.request_id for m in received[0] for d in m.outputs} == {"a"}
+    (mine,) = finished[0]["a"]
+    last = mine.completions[0]  # the last delta: the tokens after its offset
+    assert mine.refusal is None and last.token_offset + len(last.token_ids) == 6 and last.finish_reason == "length"
+    (duplicate,) = finished[1]["a"]
+    assert duplicate.refusal is not None and duplicate.refusal[3] == "duplicate_request_id"
+    for request_id in ("b", "c"):  # the abort from the other process did nothing
+        (delta,) = finished[1][request_id]
+        assert delta.completions[0].finish_reason == "length"
+    # Each process's queue estimate counts what it sent, the refused duplicate included.
+    assert received[0][-1].applied_seqs == 1 and received[1][-1].applied_seqs == 3
+    assert core._owner == {}
