@@ -13,9 +13,9 @@ heavy chat templates or tool parsing. With one (the default) ``deepbatch serve``
 
 The launcher only starts, watches and stops. Every API process serves as a lone one would (the
 same drain, the same exit statuses) except that it leaves the core to the launcher:
-- SIGTERM / SIGINT / SIGHUP to the launcher are passed on to every API process (which sit in
-  process groups of their own, so that Ctrl-C in a terminal reaches each of them once, through
-  here); a second SIGTERM forces, as with one;
+- SIGTERM and SIGINT (and SIGHUP, with --api-keys-file) to the launcher are passed on to every
+  API process (which sit in process groups of their own, so that Ctrl-C in a terminal reaches
+  each of them once, through here); a second SIGTERM forces, as with one;
 - an API process that exits (drained, dead engine, killed) makes the launcher drain the others;
   once none is left the core is asked to stop (and killed after ``_JOIN_S``);
 - the core dies: each API process sees it through a pid file descriptor and exits 1 after its
@@ -90,12 +90,12 @@ def run_api_servers(config: EngineConfig, server_config: ServerConfig, count: in
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_env
     try:
-        return _supervise(core, servers, addresses)
+        return _supervise(core, servers, addresses, server_config.api_keys_file is not None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(core, servers: list, addresses: CoreAddresses) -> int:
+def _supervise(core, servers: list, addresses: CoreAddresses, reload_keys: bool) -> int:
     live = {s.sentinel: s for s in servers}
     stopping = False  # the API processes were asked to drain (by a signal, or after one exited)
     core_dead = False
@@ -107,7 +107,9 @@ def _supervise(core, servers: list, addresses: CoreAddresses) -> int:
         for server in live.values():
             _signal(server.pid, sig)
 
-    handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # SIGHUP reloads --api-keys-file; without one it keeps its default action, as with one process.
+    signals = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if reload_keys else ())
+    handlers = {sig: signal.signal(sig, forward) for sig in signals}
     code = EXIT_OK
     try:
         while live:
