@@ -28,20 +28,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TESTS = Path(__file__).resolve().parent
-# Test files that start server processes, each directory kept on one xdist worker, its modules
-# one after the other: tests/api's modules start a few SmolLM2 servers at a time (conftest.py
-# there), tests/serve_ray one Ray cluster. The two groups run beside each other (a few GB each)
-# and everything else is shared out between the workers: either group alone would otherwise be
-# the run's longest chain.
-_SERVER_DIRS = {_TESTS / "api": "servers", _TESTS / "serve_ray": "ray"}
+# Test files that start server processes (tests/api's own modules start a few SmolLM2 servers at
+# a time, tests/serve_ray a Ray cluster): kept on one xdist worker, one after the other, so that
+# their memory and start-up CPU never add up with each other's (beside each other they made the
+# run slower, not faster). Every other module is one group of its own: its tests stay on one
+# worker, so a module-scoped fixture (three engines over 4,096 tokens in test_kv_cache_quality)
+# is built once, not once per worker.
+_SERVER_DIRS = (_TESTS / "api", _TESTS / "serve_ray")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = _SERVER_DIRS.get(Path(item.path).resolve().parent)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        path = Path(item.path).resolve()
+        group = "servers" if path.parent in _SERVER_DIRS else str(path.relative_to(_TESTS))
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 TINY_COMMON = dict(
