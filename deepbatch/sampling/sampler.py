@@ -125,17 +125,7 @@ class PendingSample:
             token_ids = self._host[0].tolist()
             logprobs = None
             if len(self._host) > 1:
-                table, k = self._host[1].tolist(), self._k_max
-                logprobs = []
-                for i, p in enumerate(self._params):
-                    if p.logprobs is None:
-                        logprobs.append(None)
-                        continue
-                    row = table[i]
-                    entry = {token_ids[i]: Logprob(row[0], int(row[1]))}  # the sampled token first (vLLM)
-                    for j in range(p.logprobs):
-                        entry.setdefault(int(row[2 + k + j]), Logprob(row[2 + j], j + 1))
-                    logprobs.append(entry)
+                logprobs = _logprob_entries(self._host[1], self._k_max, token_ids, self._params)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():
@@ -143,6 +133,28 @@ class PendingSample:
             prompt = self._prompt.resolve() if self._prompt is not None else None
             self._resolved = SamplerOutput(token_ids, logprobs, errors or None, prompt)
         return self._resolved
+
+
+def _logprob_entries(table: torch.Tensor, k: int, token_ids: list[int], params) -> list[dict[int, Logprob] | None]:
+    """vLLM's shape from the kernel's host table: per request ``{token: Logprob}``, the sampled
+    token first (with its rank), then its ``logprobs`` most likely. The columns are converted
+    whole (ids to int in one op): this loop runs for every request of every step."""
+    chosen, ranks = table[:, 0].tolist(), table[:, 1].long().tolist()
+    top_lps, top_ids = table[:, 2:2 + k].tolist(), table[:, 2 + k:2 + 2 * k].long().tolist()
+    entries = []
+    for i, p in enumerate(params):
+        n = p.logprobs
+        if n is None:
+            entries.append(None)
+            continue
+        sampled = token_ids[i]
+        entry = {sampled: Logprob(chosen[i], ranks[i])}
+        ids, lps = top_ids[i], top_lps[i]
+        for j in range(n):
+            if ids[j] != sampled:  # the top ids are distinct: only the sampled one can repeat
+                entry[ids[j]] = Logprob(lps[j], j + 1)
+        entries.append(entry)
+    return entries
 
 
 class Sampler:
