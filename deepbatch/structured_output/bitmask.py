@@ -67,8 +67,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
     if not rows:
         return set()
     words = (logits.shape[1] + 31) // 32
-    bitmask = torch.full((len(requests), words), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+    bitmask = torch.empty((len(requests), words), dtype=torch.int32, pin_memory=logits.is_cuda)
+    bitmask.numpy().fill(-1)  # all allowed: the rows without a grammar stay so
     errors = _fill_rows(bitmask, requests, rows)
+    # One pass over every row (this runs each step for every constrained request), in numpy: a
+    # host op that torch would hand to its thread pool. A row with no bit set allows nothing.
+    allows_some = bitmask.numpy().any(axis=1).tolist()
     masked = set()
     for i in rows:
         r = requests[i]
@@ -76,11 +80,12 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
             r.structured_output.error = errors[i]
             bitmask[i] = -1
             continue
-        if not bool(bitmask[i].any()):  # nothing to draw: fail it at commit, sample it unmasked meanwhile
+        if not allows_some[i]:  # nothing to draw: fail it at commit, sample it unmasked meanwhile
             r.structured_output.dead_end()
             bitmask[i] = -1
             continue
-        _ban_until_min_tokens(bitmask[i], r)
+        if r.num_output_tokens < r.sampling_params.min_tokens:  # a row view only where needed
+            _ban_until_min_tokens(bitmask[i], r)
         masked.add(i)
     if masked:
         apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), sorted(masked))
@@ -88,6 +93,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
 
 
 def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
+    """Clear the request's EOS / stop ids in its row (it is still under ``min_tokens``), unless
+    that leaves the grammar nothing."""
     p = r.sampling_params
     if r.num_output_tokens >= p.min_tokens:
         return
