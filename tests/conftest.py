@@ -30,19 +30,22 @@ if not torch.cuda.is_available():
 _TESTS = Path(__file__).resolve().parent
 # Test files that start server processes (tests/api's own modules start a few SmolLM2 servers at
 # a time, tests/serve_ray a Ray cluster): kept on one xdist worker, one after the other, so that
-# their memory and start-up CPU never add up with each other's (beside each other they made the
-# run slower, not faster). Every other module is one group of its own: its tests stay on one
-# worker, so a module-scoped fixture (three engines over 4,096 tokens in test_kv_cache_quality)
-# is built once, not once per worker.
+# their memory and start-up CPU never add up with each other's (side by side on two workers they
+# made the run slower). Everything else is shared out between workers, test by test, except the
+# modules below, whose module-scoped fixture is most of their cost: kept on one worker, it is
+# built once rather than once per worker.
 _SERVER_DIRS = (_TESTS / "api", _TESTS / "serve_ray")
+_ONE_WORKER_MODULES = {_TESTS / "models" / "test_kv_cache_quality.py"}  # three engines over 4,096 tokens
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(item.path).resolve()
-        group = "servers" if path.parent in _SERVER_DIRS else str(path.relative_to(_TESTS))
-        item.add_marker(pytest.mark.xdist_group(group))
+        if path.parent in _SERVER_DIRS:
+            item.add_marker(pytest.mark.xdist_group("servers"))
+        elif path in _ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(path.stem))
 
 
 TINY_COMMON = dict(
