@@ -76,9 +76,14 @@ def run_api_servers(config: EngineConfig, server_config: ServerConfig, count: in
     spawn = multiprocessing.get_context("spawn")
     previous_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    servers = []
+    servers: list = []
+    # From now on signals are passed on (to the API processes started so far): a SIGTERM while
+    # the model loads stops them, and the core after them, instead of killing the launcher alone.
+    relay = _Relay(servers, server_config.api_keys_file is not None)
     try:
         for i in range(count):
+            if relay.stopping:  # told to stop before every API process was started
+                break
             server = spawn.Process(target=run_api_server, name=f"deepbatch::APIServer_{i}", daemon=False,
                                    args=(i, config, server_config, addresses, core.pid, traces_endpoint,
                                          client_kwargs or {}))
@@ -90,26 +95,40 @@ def run_api_servers(config: EngineConfig, server_config: ServerConfig, count: in
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_env
     try:
-        return _supervise(core, servers, addresses, server_config.api_keys_file is not None)
+        return _supervise(core, servers, addresses, relay)
     finally:
+        relay.restore()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(core, servers: list, addresses: CoreAddresses, reload_keys: bool) -> int:
-    live = {s.sentinel: s for s in servers}
-    stopping = False  # the API processes were asked to drain (by a signal, or after one exited)
-    core_dead = False
+class _Relay:
+    """Passes SIGTERM and SIGINT (and SIGHUP, which reloads --api-keys-file; without one it keeps
+    its default action, as with one process) on to every API process that is still running."""
 
-    def forward(sig: int, frame) -> None:
-        nonlocal stopping
+    def __init__(self, servers: list, reload_keys: bool):
+        self.servers = servers
+        self.stopping = False  # the API processes were asked to drain (a signal, or one exited)
+        signals = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if reload_keys else ())
+        self._previous = {sig: signal.signal(sig, self._forward) for sig in signals}
+
+    def _forward(self, sig: int, frame) -> None:
         if sig != signal.SIGHUP:
-            stopping = True
-        for server in live.values():
-            _signal(server.pid, sig)
+            self.stopping = True
+        self.send(sig)
 
-    # SIGHUP reloads --api-keys-file; without one it keeps its default action, as with one process.
-    signals = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGHUP,) if reload_keys else ())
-    handlers = {sig: signal.signal(sig, forward) for sig in signals}
+    def send(self, sig: int) -> None:
+        for server in self.servers:
+            if server.exitcode is None:
+                _signal(server.pid, sig)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(core, servers: list, addresses: CoreAddresses, relay: _Relay) -> int:
+    live = {s.sentinel: s for s in servers}
+    core_dead = False
     code = EXIT_OK
     try:
         while live:
@@ -127,19 +146,16 @@ def _supervise(core, servers: list, addresses: CoreAddresses, reload_keys: bool)
                 if status != EXIT_OK:
                     logger.warning("API process %s exited with %s", server.name, status)
                     code = code or (status if status > 0 else EXIT_ENGINE_DEAD)
-                if not stopping and live:
+                if not relay.stopping and live:
                     logger.info("API process %s exited; draining the others", server.name)
-                    stopping = True
-                    for other in live.values():
-                        _signal(other.pid, signal.SIGTERM)
+                    relay.stopping = True
+                    relay.send(signal.SIGTERM)
             if core_dead and live:
                 _reap_within(list(live.values()), _JOIN_S)
                 for server in live.values():
                     code = code or (server.exitcode if server.exitcode and server.exitcode > 0 else EXIT_ENGINE_DEAD)
                 live.clear()
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         for server in servers:  # only after an exception in here: every one has exited otherwise
             if server.is_alive():
                 server.kill()
