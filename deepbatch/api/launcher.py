@@ -66,14 +66,12 @@ def run_api_servers(config: EngineConfig, server_config: ServerConfig, count: in
     metrics_dir = os.path.join(workdir, "metrics")
     os.mkdir(metrics_dir)
     addresses = CoreAddresses.in_dir(workdir, count)
-    # A CUDA core is spawned (this process asked the driver about devices while it built the
-    # config); the API processes always are: they import the server afresh, with the metrics
-    # directory in their environment before prometheus_client is imported.
-    core_mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
-    core = core_mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
-                           args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
+    # Spawned on a GPU host (this process asked the driver about devices while it built the
+    # config), forked where that is safe, as the tensor-parallel workers are.
+    mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
+    core = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
+                      args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
     core.start()
-    spawn = multiprocessing.get_context("spawn")
     previous_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     servers: list = []
@@ -84,7 +82,7 @@ def run_api_servers(config: EngineConfig, server_config: ServerConfig, count: in
         for i in range(count):
             if relay.stopping:  # told to stop before every API process was started
                 break
-            server = spawn.Process(target=run_api_server, name=f"deepbatch::APIServer_{i}", daemon=False,
+            server = mp.Process(target=run_api_server, name=f"deepbatch::APIServer_{i}", daemon=False,
                                    args=(i, config, server_config, addresses, core.pid, traces_endpoint,
                                          client_kwargs or {}))
             server.start()
@@ -200,13 +198,22 @@ def _stop_core(core, addresses: CoreAddresses) -> None:
 
 def run_api_server(index: int, config: EngineConfig, server_config: ServerConfig, addresses: CoreAddresses,
                    core_pid: int, traces_endpoint: str | None, client_kwargs: dict) -> None:
-    """Entry point of API process ``index`` (spawned): join the core, serve, exit with the status."""
+    """Entry point of API process ``index``: join the core, serve, exit with the status."""
     import gc
     import sys
     from dataclasses import replace
 
-    # Signals come through the launcher, once each (see the module's docstring).
+    # Signals come through the launcher, once each (see the module's docstring); a forked process
+    # starts with the launcher's handlers, which are not its own.
     os.setpgrp()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A forked process has prometheus_client as the launcher imported it, before the metrics
+    # directory was set: its metrics must be written there.
+    from prometheus_client import values
+
+    values.ValueClass = values.get_value_class()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     from deepbatch.api.server import run_server
