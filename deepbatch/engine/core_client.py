@@ -218,7 +218,8 @@ class EngineCoreClient(EngineClient):
             self._send(Shutdown())
             self._core.process.join(timeout)
         else:
-            # Read on the loop's thread only by the loop; a list() of a dict is atomic enough.
+            # The streams belong to the event loop; list() copies the dict without releasing the
+            # interpreter lock, so the copy is whole even from another thread.
             self._send(Abort(list(self._streams)))
         self._reap()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -330,6 +331,7 @@ class EngineCoreClient(EngineClient):
             self._notify_observers(outputs)
         self._deliver(pairs)
         self._deliver_error(errors)
+
 
 class _OwnCore:
     """The core as this process's child."""
