@@ -50,8 +50,14 @@ def processes(launcher: int) -> dict[str, int]:
 def successes_by_process(api_pid: int) -> float:
     """Requests one API process counted as finished, from its own file in the metrics directory."""
     # The process holds its files open (prometheus_client maps them into memory).
-    files = {os.readlink(fd) for fd in Path(f"/proc/{api_pid}/fd").iterdir()}
-    files = [f for f in files if f.endswith(f"/counter_{api_pid}.db")]
+    files = []
+    for fd in Path(f"/proc/{api_pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed since the listing (a connection, a pipe)
+            continue
+        if target.endswith(f"/counter_{api_pid}.db"):
+            files.append(target)
     assert files, f"no counter file open in API process {api_pid}"
     return sum(s.value for m in MultiProcessCollector.merge(files, accumulate=True) if m.name == "vllm:request_success"
                for s in m.samples if s.name == "vllm:request_success_total")
