@@ -148,10 +148,8 @@ def _supervise(core, servers: list, addresses: CoreAddresses, relay: _Relay) -> 
                     logger.info("API process %s exited; draining the others", server.name)
                     relay.stopping = True
                     relay.send(signal.SIGTERM)
-            if core_dead and live:
+            if core_dead and live:  # they exit on their own (engine dead); the status is set already
                 _reap_within(list(live.values()), _JOIN_S)
-                for server in live.values():
-                    code = code or (server.exitcode if server.exitcode and server.exitcode > 0 else EXIT_ENGINE_DEAD)
                 live.clear()
     finally:
         for server in servers:  # only after an exception in here: every one has exited otherwise

@@ -41,7 +41,10 @@ def processes(launcher: int) -> dict[str, int]:
     """The launcher's children by title (multiprocessing's resource tracker aside)."""
     found = {}
     for pid in children(launcher):
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:  # exited since the listing
+            continue
         if title.startswith("deepbatch::"):
             found[title] = pid
     return found
