@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -25,8 +26,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # With ``SamplingParams.logprobs = k`` (vLLM's shape): one ``{token_id: Logprob}`` per
     # generated token, the sampled token first, then the k most likely (k or k + 1 entries);
-    # ``rank`` is 1 + the number of more likely tokens.
-    logprobs: list[dict[int, Logprob]] | None = None
+    # ``rank`` is 1 + the number of more likely tokens. From the engine a ``SampleLogprobs``
+    # (``core/logprobs.py``: each position's dict built when first read), which reads as a list.
+    logprobs: Sequence[dict[int, Logprob]] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

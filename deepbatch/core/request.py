@@ -22,6 +22,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepbatch.core.logprobs import SampleLogprobs
 from deepbatch.core.outputs import Logprob
 from deepbatch.core.sampling_params import SamplingParams
 
@@ -75,8 +76,9 @@ class Request:
     error_code: str | None = None
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # 0 or 1: a sampled token counted but not yet in the id lists
-    # Per-token logprobs (CompletionOutput's shape): {token_id: Logprob}, the sampled token first.
-    logprobs: list[dict[int, Logprob]] | None = None
+    # Per-token logprobs (CompletionOutput's shape): {token_id: Logprob}, the sampled token first;
+    # kept as rows of the steps' tables until read (``core/logprobs.py``).
+    logprobs: SampleLogprobs | None = None
     # With ``prompt_logprobs``, RequestOutput's list as far as the prompt has run: None for the
     # first prompt token, then ``{token_id: Logprob}`` per prompt token (``record_prompt_logprobs``).
     # The samples of one prompt (n > 1) share it, so only the first (``index`` 0) computes it;
@@ -99,7 +101,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
-            self.logprobs = []
+            self.logprobs = SampleLogprobs()
         if self.sampling_params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]
         # Positions below this have a prompt token next, whose logprob the runner computes from

@@ -32,8 +32,7 @@ class OutputDeltas:
             completions.append(CompletionDelta(
                 r.index, text_offset, text[text_offset:], num_tokens, ids[num_tokens:], r.finish_reason,
                 r.stop_reason, num_logprobs,
-                None if logprobs is None else [{t: (lp.logprob, lp.rank) for t, lp in entry.items()}
-                                               for entry in logprobs[num_logprobs:]]))
+                None if logprobs is None else logprobs.wire(num_logprobs)))
             sent.completions[r.index] = (len(text), len(ids), len(logprobs) if logprobs is not None else 0)
         first = children[0]
         prompt_offset = sent.num_prompt_logprobs

@@ -119,7 +119,7 @@ class OutputProcessor:
                 result.first_token.append(r)
             r.last_token_time = now
             if logprobs is not None and r.logprobs is not None:
-                r.logprobs.append(logprobs[i])
+                r.logprobs.append_row(logprobs, i)
             status = self._stop_status(r, token)
             if status is None or r.is_finished:  # r.is_finished: it failed in _stop_status
                 continue
@@ -213,7 +213,7 @@ def make_output(parent_id: str, children: list[Request]) -> RequestOutput:
     completions = [
         CompletionOutput(r.index, r.output_text, r.output_token_ids[:],
                          r.finish_reason, r.stop_reason,
-                         list(r.logprobs) if r.logprobs is not None else None)
+                         r.logprobs.copy() if r.logprobs is not None else None)
         for r in children
     ]
     finished, num_cached, error, error_code, metrics = parent_state(children)

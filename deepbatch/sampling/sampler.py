@@ -29,9 +29,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from deepbatch.core.outputs import Logprob
+from deepbatch.core.logprobs import StepLogprobs
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties
 from deepbatch.kernels.common import triton
@@ -66,9 +67,9 @@ class SamplerOutput:
     """
 
     token_ids: list[int]
-    # Per row: {token_id: Logprob}, the sampled token first (with its rank), then the top-k
-    # (ranks 1..k); None for a row that did not ask.
-    logprobs: list[dict[int, Logprob] | None] | None = None
+    # Row i: {token_id: Logprob}, the sampled token first (with its rank), then the top-k (ranks
+    # 1..k), built when read; None for a row that did not ask. None when no row asked.
+    logprobs: StepLogprobs | None = None
     # Row -> why that row's request failed (its token is meaningless); None when none did.
     errors: dict[int, str] | None = None
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, dict[int, float]]]]] | None = None
@@ -135,26 +136,13 @@ class PendingSample:
         return self._resolved
 
 
-def _logprob_entries(table: torch.Tensor, k: int, token_ids: list[int], params) -> list[dict[int, Logprob] | None]:
-    """vLLM's shape from the kernel's host table: per request ``{token: Logprob}``, the sampled
-    token first (with its rank), then its ``logprobs`` most likely. The columns are converted
-    whole (ids to int in one op): this loop runs for every request of every step."""
-    chosen, ranks = table[:, 0].tolist(), table[:, 1].long().tolist()
-    top_lps, top_ids = table[:, 2:2 + k].tolist(), table[:, 2 + k:2 + 2 * k].long().tolist()
-    entries = []
-    for i, p in enumerate(params):
-        n = p.logprobs
-        if n is None:
-            entries.append(None)
-            continue
-        sampled = token_ids[i]
-        entry = {sampled: Logprob(chosen[i], ranks[i])}
-        ids, lps = top_ids[i], top_lps[i]
-        for j in range(n):
-            if ids[j] != sampled:  # the top ids are distinct: only the sampled one can repeat
-                entry[ids[j]] = Logprob(lps[j], j + 1)
-        entries.append(entry)
-    return entries
+def _logprob_entries(table: torch.Tensor, k: int, token_ids: list[int], params) -> StepLogprobs:
+    """The kernel's host table as a ``StepLogprobs``: its columns converted whole (ids to int in
+    one op), no per-row objects; each row's dict is built where it is read (``core/logprobs.py``)."""
+    table = table.numpy()  # numpy, not torch ops: those pay for torch's thread pool on the host
+    chosen, ranks = table[:, 0].tolist(), table[:, 1].astype(np.int64).tolist()
+    top_lps, top_ids = table[:, 2:2 + k].tolist(), table[:, 2 + k:2 + 2 * k].astype(np.int64).tolist()
+    return StepLogprobs(chosen, ranks, top_lps, top_ids, token_ids, [p.logprobs for p in params])
 
 
 class Sampler:

@@ -1,0 +1,115 @@
+"""Sampled-token logprobs kept as the sampler's per-step table, built into vLLM's shape when read.
+
+A request that asks for ``logprobs=k`` gets, per generated token, ``{token_id: Logprob}``: the
+sampled token first (with its rank), then the k most likely. Building those dicts as each step
+ends costs k + 2 Python objects per request per step, on the one thread that also schedules the
+next step; at a few hundred requests that is milliseconds a step. So a step keeps its logprobs as
+the columns of the table the sampler copies to the host (``StepLogprobs``, one per step), a sample
+keeps a reference to its row (``SampleLogprobs``), and each position's dict is built the first
+time it is read: by the user of ``CompletionOutput.logprobs``, by the server's formatter, or as a
+compact wire form for the engine core's output messages (``SampleLogprobs.wire``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepbatch.core.outputs import Logprob
+
+
+class StepLogprobs:
+    """One step's logprobs. Row ``i`` (the step's ``i``-th sampled request) holds the sampled
+    token's logprob and rank, and the ``k_max`` most likely tokens' logprobs and ids, best first;
+    ``counts[i]`` is how many of those the row's request asked for (None: it did not ask)."""
+
+    __slots__ = ("_chosen", "_ranks", "_top_lps", "_top_ids", "_token_ids", "counts")
+
+    def __init__(self, chosen: list[float], ranks: list[int], top_lps: list[list[float]],
+                 top_ids: list[list[int]], token_ids: list[int], counts: list[int | None]):
+        self._chosen, self._ranks = chosen, ranks
+        self._top_lps, self._top_ids = top_lps, top_ids
+        self._token_ids, self.counts = token_ids, counts
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, row: int) -> dict[int, Logprob] | None:
+        """Row ``row`` in vLLM's shape (None for a row that did not ask)."""
+        return None if self.counts[row] is None else self.entry(row)
+
+    def entry(self, row: int) -> dict[int, Logprob]:
+        sampled = self._token_ids[row]
+        entry = {sampled: Logprob(self._chosen[row], self._ranks[row])}
+        ids, lps = self._top_ids[row], self._top_lps[row]
+        for j in range(self.counts[row]):
+            if ids[j] != sampled:  # the top ids are distinct: only the sampled one can repeat
+                entry[ids[j]] = Logprob(lps[j], j + 1)
+        return entry
+
+    def wire(self, row: int) -> dict[int, tuple[float, int]]:
+        """``entry(row)`` as ``{token_id: (logprob, rank)}``: no ``Logprob`` objects."""
+        sampled = self._token_ids[row]
+        entry = {sampled: (self._chosen[row], self._ranks[row])}
+        ids, lps = self._top_ids[row], self._top_lps[row]
+        for j in range(self.counts[row]):
+            if ids[j] != sampled:
+                entry[ids[j]] = (lps[j], j + 1)
+        return entry
+
+
+class SampleLogprobs(Sequence):
+    """One sample's per-token logprobs: a sequence of ``{token_id: Logprob}`` (vLLM's
+    ``CompletionOutput.logprobs``; indexing, slicing, iteration and ``==`` with a list work as on
+    a list). Positions are rows of step tables until first read, then their dicts."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries=()):
+        # Each a built dict, or (StepLogprobs, row) not yet read.
+        self._entries: list = list(entries)
+
+    def append(self, entry: dict[int, Logprob]) -> None:
+        self._entries.append(entry)
+
+    def append_row(self, step: StepLogprobs, row: int) -> None:
+        self._entries.append((step, row))
+
+    def copy(self) -> SampleLogprobs:
+        """A snapshot: later appends to this one do not show in it (rows are shared, not built)."""
+        return SampleLogprobs(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self._entries)))]
+        entry = self._entries[index]
+        if type(entry) is tuple:
+            step, row = entry
+            entry = self._entries[index] = step.entry(row)
+        return entry
+
+    def __iter__(self):
+        for i in range(len(self._entries)):
+            yield self[i]
+
+    def wire(self, start: int) -> list[dict[int, tuple[float, int]]]:
+        """Positions ``start:`` as ``{token_id: (logprob, rank)}`` (the engine core's messages)."""
+        out = []
+        for entry in self._entries[start:]:
+            if type(entry) is tuple:
+                out.append(entry[0].wire(entry[1]))
+            else:
+                out.append({t: (lp.logprob, lp.rank) for t, lp in entry.items()})
+        return out
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (SampleLogprobs, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"SampleLogprobs({list(self)!r})"
