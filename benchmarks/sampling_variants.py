@@ -129,6 +129,12 @@ def main() -> None:
             assert n_out == w.num_output_tokens, (name, n_out, w.num_output_tokens)
         report["runs"].append({"variant": name, "params": repr(params[0]), "seconds": dt,
                                "output_tokens": n_out, "output_tok_s": n_out / dt})
+        if params[0].logprobs is not None:
+            # The engine builds each position's {token: Logprob} when it is first read
+            # (core/logprobs.py): what reading them all costs afterwards, reported beside the run.
+            t0 = time.perf_counter()
+            sum(len(entry) for o in outs for entry in o.outputs[0].logprobs)
+            report["runs"][-1]["logprobs_read_seconds"] = time.perf_counter() - t0
         print(f"{name:>12} {n_out / dt:>10.0f} {dt:>8.2f}", flush=True)
         if name == "json":
             lengths = [max(1, len(o.outputs[0].token_ids)) for o in outs]
