@@ -6,7 +6,9 @@
       -> AddRequest per prompt ------------------ ZMQ -> input thread -> busy loop
     abort(id) -> Abort ------------------------------->
     reader task <------------------------------- ZMQ -- StepOutputs (one per engine iteration)
-      -> rebuild each request's cumulative RequestOutput from the deltas
+      -> rebuild each request's cumulative RequestOutput from the deltas: detokenize the new
+         token ids, look for stop strings (a sample that meets one ends here at once:
+         FinishSample -> the core stops it too)
       -> observers (metrics, tracing, dashboard), then the RequestStreams
     process sentinel (the core exited) -> every open request fails, dead callbacks run
 
@@ -153,7 +155,7 @@ class EngineCoreClient(EngineClient):
         self._sent_seqs = self._sent_tokens = 0  # of every AddRequest sent
         self._applied_seqs = self._applied_tokens = 0  # of those, applied by the core (its last message)
         self._num_waiting = self._num_waiting_tokens = 0
-        self._assembler = OutputAssembler()
+        self._assembler = OutputAssembler(self.engine.tokenizer)  # the text is made here
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False  # shutdown asked for: the core's exit is no death
@@ -269,7 +271,7 @@ class EngineCoreClient(EngineClient):
         for add in adds:
             ids, text = add.prompt["prompt_token_ids"], add.prompt["prompt"]
             self._send(AddRequest(add.request_id, ids, text, params, add.priority, add.tenant, add.arrival_time))
-            self._assembler.add(add.request_id, text, ids, add.tenant)
+            self._assembler.add(add.request_id, text, ids, add.tenant, params)
         self._sent_seqs += num_seqs
         self._sent_tokens += num_tokens
 
@@ -323,7 +325,9 @@ class EngineCoreClient(EngineClient):
                 if stream is not None:
                     errors.append((stream, refusal_error(delta.refusal)))
                 continue
-            out = self._assembler.apply(delta)
+            out, finishes = self._assembler.apply(delta)
+            for finish in finishes:  # a stop string in the text: the core stops the sample too
+                self._send(finish)
             outputs.append(out)
             if stream is not None:
                 pairs.append((stream, out))

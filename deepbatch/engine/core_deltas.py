@@ -25,15 +25,12 @@ class OutputDeltas:
             sent = self._sent[parent_id] = _SentSoFar()
         completions = []
         for r in children:
-            text, ids, logprobs = r.output_text, r.output_token_ids, r.logprobs
-            text_len, num_tokens, num_logprobs = sent.completions.get(r.index, (0, 0, 0))
-            # A stop string can take back text held so far: resend from the common prefix.
-            text_offset = min(text_len, len(text))
+            ids, logprobs = r.output_token_ids, r.logprobs
+            num_tokens, num_logprobs = sent.completions.get(r.index, (0, 0))
             completions.append(CompletionDelta(
-                r.index, text_offset, text[text_offset:], num_tokens, ids[num_tokens:], r.finish_reason,
-                r.stop_reason, num_logprobs,
+                r.index, num_tokens, ids[num_tokens:], r.finish_reason, r.stop_reason, num_logprobs,
                 None if logprobs is None else logprobs.wire(num_logprobs)))
-            sent.completions[r.index] = (len(text), len(ids), len(logprobs) if logprobs is not None else 0)
+            sent.completions[r.index] = (len(ids), len(logprobs) if logprobs is not None else 0)
         first = children[0]
         prompt_offset = sent.num_prompt_logprobs
         prompt_logprobs = None
@@ -61,8 +58,8 @@ class OutputDeltas:
 
 @dataclass
 class _SentSoFar:
-    # sample index -> (text chars, token ids, logprobs) already sent
-    completions: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # sample index -> (token ids, logprobs) already sent
+    completions: dict[int, tuple[int, int]] = field(default_factory=dict)
     num_prompt_logprobs: int = 0
     started: bool = False  # metrics with a first token time were sent
 

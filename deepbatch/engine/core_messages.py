@@ -2,14 +2,16 @@
 
     API process (EngineCoreClient)                       engine core process (EngineCore)
     ------------------------------                       --------------------------------
-    AddRequest / Abort / Shutdown  -- PUSH ---- PULL ->  input thread -> inbox -> busy loop
+    AddRequest / Abort /           -- PUSH ---- PULL ->  input thread -> inbox -> busy loop
+      FinishSample / Shutdown
     asyncio reader                 <- PULL ---- PUSH --  Ready (once), StepOutputs (one per
                                                          engine iteration), Dead (once)
 
 Everything on the hot path is a ``msgspec`` struct encoded as MessagePack: an ``AddRequest``
 carries token ids (the API process tokenizes), and a ``StepOutputs`` carries, for every request
 that made progress in one engine iteration, only what is new since the previous message (token
-ids, text, logprobs past an offset), never the whole output again and never a tensor. The
+ids and logprobs past an offset), never the whole output again and never a tensor. Text is the
+API process's work: it detokenizes, finds stop strings and ends a sample with ``FinishSample``. The
 engine's counters (``EngineSnapshot``) ride along at most ten times a second, pickled: they are
 small, off the per-token path, and their classes belong to the engine.
 """
@@ -49,11 +51,22 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class FinishSample(msgspec.Struct, tag=True, array_like=True):
+    """End one sample of a request, as the API process decided from its text: a stop string
+    (``stop_reason``) or text that could not be decoded (``error``). The core frees it and counts
+    it as stopped (or failed); tokens it sampled meanwhile are not used."""
+
+    request_id: str
+    index: int
+    stop_reason: str | None
+    error: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop after the step in progress; every request still held ends with an error."""
 
 
-ClientMessage = AddRequest | Abort | Shutdown
+ClientMessage = AddRequest | Abort | FinishSample | Shutdown
 
 # -- engine core -> API process -----------------------------------------------------------------
 
@@ -68,13 +81,10 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class CompletionDelta(msgspec.Struct, array_like=True, gc=False):
-    """What is new in one sample's output: ``text`` replaces the output text from character
-    ``text_offset`` on (a stop string can take back text held so far), ``token_ids`` and
-    ``logprobs`` extend the lists from their offsets."""
+    """What is new in one sample's output: ``token_ids`` and ``logprobs`` extend the lists from
+    their offsets. No text: the API process detokenizes (``output_assembler.py``)."""
 
     index: int
-    text_offset: int
-    text: str
     token_offset: int
     token_ids: list[int]
     finish_reason: str | None

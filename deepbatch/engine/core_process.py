@@ -45,7 +45,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import InvalidRequestError
 from deepbatch.core.request import Request
 from deepbatch.engine.core_messages import (
-    SNAPSHOT_INTERVAL_S, Abort, AddRequest, Dead, OutputDelta, Ready, Shutdown, StepOutputs,
+    SNAPSHOT_INTERVAL_S, Abort, AddRequest, Dead, FinishSample, OutputDelta, Ready, Shutdown, StepOutputs,
     decode_client_message, encode,
 )
 from deepbatch.engine.core_deltas import OutputDeltas, refusal
@@ -88,10 +88,10 @@ class _Refused:
 
 
 @dataclass
-class _Abort:
-    """An ``Abort`` from one of several API processes."""
+class _FromClient:
+    """An ``Abort`` or ``FinishSample`` from one of several API processes."""
 
-    request_ids: list[str]
+    message: Abort | FinishSample
     client: int
 
 
@@ -122,7 +122,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         from deepbatch.engine.llm_engine import LLMEngine
 
         torch.manual_seed(config.model.seed)
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, detokenize=False)  # text is the API processes' work
         core = EngineCore(engine, outputs, fault_inject_step)
         # The model, the tokenizer and the modules stay for the process's life: out of the
         # collector's generations, the objects each step creates are collected without them.
@@ -258,8 +258,8 @@ class EngineCore:
                 self.inbox.put(_Refused(message.request_id, e, n, n * len(message.prompt_token_ids), client))
                 return False
             self.inbox.put(_Added(requests, client))
-        elif isinstance(message, Abort) and len(self.outputs) > 1:
-            self.inbox.put(_Abort(message.request_ids, client))
+        elif isinstance(message, (Abort, FinishSample)) and len(self.outputs) > 1:
+            self.inbox.put(_FromClient(message, client))
         else:
             self.inbox.put(message)
             return isinstance(message, Shutdown)
@@ -373,10 +373,18 @@ class EngineCore:
                     self._routed.append((cmd.client, answer))
                     if not cmd.duplicate:
                         self._owner.pop(cmd.request_id, None)
-            elif isinstance(cmd, (Abort, _Abort)):
+            elif isinstance(cmd, (Abort, FinishSample, _FromClient)):
                 # From one of several API processes: only the requests it sent.
-                sender = cmd.client if isinstance(cmd, _Abort) else None
-                for request_id in cmd.request_ids:
+                sender = cmd.client if isinstance(cmd, _FromClient) else None
+                message = cmd.message if isinstance(cmd, _FromClient) else cmd
+                if isinstance(message, FinishSample):
+                    if sender is None or self._owner.get(message.request_id) == sender:
+                        children = engine.outputs.finish_sample(message.request_id, message.index,
+                                                                message.stop_reason, message.error)
+                        if children is not None:
+                            deltas.append(self._deltas(message.request_id, children))
+                    continue
+                for request_id in message.request_ids:
                     children = engine.outputs.parents.get(request_id)
                     if children is not None and (sender is None or self._owner.get(request_id) == sender):
                         engine.abort_request(request_id)

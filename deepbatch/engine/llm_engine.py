@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        """``detokenize`` False leaves output text and stop strings to the caller (the engine
+        core process: its API processes detokenize)."""
         self.config = config
         self.source = resolve_model(config.model.model)
         self.hf_config = load_hf_config(self.source, config.model.cache_dir)
@@ -96,7 +98,7 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.stats,
-                                       release=self.runner.forget)
+                                       release=self.runner.forget, detokenize=detokenize)
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")

@@ -67,9 +67,11 @@ class StepResult:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, tokenizer, max_model_len: int, stats: EngineStats,
-                 release: Callable[[str], None]):
+                 release: Callable[[str], None], detokenize: bool = True):
+        """``detokenize`` False: no text and no stop strings here (the engine core process, whose
+        API processes do both and end a sample with ``finish_sample``)."""
         self.scheduler = scheduler
-        self.detokenizer = Detokenizer(tokenizer)
+        self.detokenizer = Detokenizer(tokenizer) if detokenize else None
         self.max_model_len = max_model_len
         self.stats = stats
         self._release = release  # drops the runner's per-request state
@@ -135,8 +137,29 @@ class OutputProcessor:
             if r is not None and r.prompt_logprobs is not None:
                 r.record_prompt_logprobs(start, entries)
 
+    def finish_sample(self, parent_id: str, index: int, stop_reason: str | None,
+                      error: str | None = None) -> list[Request] | None:
+        """End sample ``index`` of a parent request as stopped by ``stop_reason`` (a stop string
+        found in its text elsewhere) or failed with ``error``; the parent's samples, or None when
+        it is no longer tracked. A sample that already ended is left as it is."""
+        children = self.parents.get(parent_id)
+        if children is None:
+            return None
+        for r in children:
+            if r.index != index or r.is_finished:
+                continue
+            if error is not None:
+                self.fail(r, error)
+            else:
+                r.stop_reason = stop_reason
+                self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+                self.on_finished(r)
+        return children
+
     def _stop_status(self, r: Request, token: int) -> RequestStatus | None:
         status = check_stop(r, token, self.max_model_len)
+        if self.detokenizer is None:
+            return self._grammar_status(r, status)
         try:
             stop = self.detokenizer.update(r, [token])
         except Exception as e:  # noqa: BLE001 - a token this request's text cannot take ends it alone
@@ -149,6 +172,9 @@ class OutputProcessor:
         if stop is not None and status is None:
             r.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
+        return self._grammar_status(r, status)
+
+    def _grammar_status(self, r: Request, status: RequestStatus | None) -> RequestStatus | None:
         if status is None and r.structured_output is not None:
             error = r.structured_output.advance(r.output_token_ids, r.num_pending_tokens)
             if error is not None:

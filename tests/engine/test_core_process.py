@@ -1,11 +1,12 @@
 """The engine core's messages, end to end on the real engine: a request's output rebuilt in the
 API process from the per-step deltas (``OutputAssembler`` over ``StepOutputs`` decoded from
-the wire) equals what the same engine returns in one process: text (stop strings take text
-back), token ids, logprobs, prompt logprobs, n > 1, finish reasons. Aborts, refusals and the
-waiting counts the queue bounds read travel the same way."""
+the wire, detokenized there, stop strings found there and sent back as ``FinishSample``) equals
+what the same engine returns in one process: text, token ids, logprobs, prompt logprobs, n > 1,
+finish reasons. Aborts, refusals and the waiting counts the queue bounds read travel the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import zmq
@@ -13,7 +14,9 @@ import zmq
 from deepbatch import SamplingParams
 from deepbatch.core.errors import InvalidRequestError
 from deepbatch.engine.output_assembler import OutputAssembler, refusal_error
-from deepbatch.engine.core_messages import Abort, Shutdown, StepOutputs, decode_core_message
+from deepbatch.engine.core_messages import (
+    Abort, FinishSample, Shutdown, StepOutputs, decode_client_message, decode_core_message, encode,
+)
 from deepbatch.engine.core_process import EngineCore, _Added, _Refused
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "1, 2, 3, 4,"]
@@ -22,6 +25,17 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=2, max_tokens=20),
     SamplingParams(temperature=0.0, max_tokens=40, stop=[" 9"], include_stop_str_in_output=False),
 ]
+
+
+@contextlib.contextmanager
+def as_core(engine):
+    """``engine`` as the core process builds it (``LLMEngine(config, detokenize=False)``): no
+    text, no stop strings; restored after (the engine is shared by the module's tests)."""
+    detokenizer, engine.outputs.detokenizer = engine.outputs.detokenizer, None
+    try:
+        yield engine
+    finally:
+        engine.outputs.detokenizer = detokenizer
 
 
 def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, list[StepOutputs]]:
@@ -33,12 +47,12 @@ def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, li
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
     core = EngineCore(engine, push)
-    assembler = OutputAssembler()
+    assembler = OutputAssembler(engine.tokenizer)
     open_ids = set()
     for cmd in commands_before:
         if isinstance(cmd, _Added):
             r = cmd.requests[0]
-            assembler.add(r.parent_id, r.prompt, r.prompt_token_ids, r.tenant)
+            assembler.add(r.parent_id, r.prompt, r.prompt_token_ids, r.tenant, r.sampling_params)
             open_ids.add(r.parent_id)
         elif isinstance(cmd, _Refused):
             open_ids.add(cmd.request_id)
@@ -60,7 +74,9 @@ def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, li
                     finals[delta.request_id] = refusal_error(delta.refusal)
                     open_ids.discard(delta.request_id)
                     continue
-                out = assembler.apply(delta)
+                out, finishes = assembler.apply(delta)
+                for finish in finishes:  # as the API process sends them back
+                    core.inbox.put(decode_client_message(encode(finish)))
                 if out.finished:
                     finals[out.request_id] = out
                     open_ids.discard(out.request_id)
@@ -77,7 +93,8 @@ def test_outputs_rebuilt_from_deltas_equal_the_engines_own(smollm_llm):
     engine = smollm_llm.engine
     expected = smollm_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     adds = [_Added(engine.make_requests(f"core-{i}", p, sp)) for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))]
-    finals, messages = run_core(engine, adds)
+    with as_core(engine):
+        finals, messages = run_core(engine, adds)
     for i, want in enumerate(expected):
         got = finals[f"core-{i}"]
         assert got.finished and got.prompt_token_ids == want.prompt_token_ids
@@ -85,13 +102,25 @@ def test_outputs_rebuilt_from_deltas_equal_the_engines_own(smollm_llm):
         for g, w in zip(got.outputs, want.outputs):
             assert (g.index, g.text, g.token_ids, g.finish_reason, g.stop_reason) == \
                 (w.index, w.text, w.token_ids, w.finish_reason, w.stop_reason)
-            assert g.logprobs == w.logprobs
+            # Equal up to rounding: the core samples a step or two past a stop string, so later
+            # steps' batches (and their float sums) differ from the one-process run's.
+            assert (g.logprobs is None) == (w.logprobs is None)
+            for a, b in zip(g.logprobs or [], w.logprobs or []):
+                assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+                assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.values(), b.values()))
+            assert len(g.logprobs or []) == len(w.logprobs or [])
         assert got.prompt_logprobs == want.prompt_logprobs
     assert finals["core-0"].outputs[0].logprobs and finals["core-0"].prompt_logprobs
-    assert finals["core-2"].outputs[0].finish_reason == "stop"  # the stop string was met
+    assert finals["core-2"].outputs[0].stop_reason == " 9"  # the stop string was met, on this side
     # One message per engine iteration, each carrying only what is new: no token crosses twice.
-    sent = sum(len(c.token_ids) for m in messages for d in m.outputs for c in d.completions)
-    assert sent == sum(len(c.token_ids) for out in expected for c in out.outputs)
+    # The core samples on until the FinishSample reaches it: a step or two past the stop string.
+    sent = {d.request_id: 0 for m in messages for d in m.outputs}
+    for m in messages:
+        for d in m.outputs:
+            sent[d.request_id] += sum(len(c.token_ids) for c in d.completions)
+    for i, want in enumerate(expected):
+        wanted = sum(len(c.token_ids) for c in want.outputs)
+        assert wanted <= sent[f"core-{i}"] <= wanted + (2 if PARAMS[i].stop else 0)
 
 
 def test_an_abort_a_refusal_and_the_queue_counts(smollm_llm):
@@ -99,7 +128,8 @@ def test_an_abort_a_refusal_and_the_queue_counts(smollm_llm):
     long = _Added(engine.make_requests("long", "Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True)))
     short = _Added(engine.make_requests("short", "Hello", SamplingParams(max_tokens=3)))
     refused = _Refused("refused", InvalidRequestError("max_tokens", "too many", "context_length_exceeded"), 2, 10)
-    finals, messages = run_core(engine, [long, short, refused], commands_after_first=[Abort(["long"])])
+    with as_core(engine):
+        finals, messages = run_core(engine, [long, short, refused], commands_after_first=[Abort(["long"])])
     assert finals["long"].outputs[0].finish_reason == "abort" and len(finals["long"].outputs[0].token_ids) < 200
     assert finals["short"].outputs[0].finish_reason == "length"
     error = finals["refused"]
@@ -112,19 +142,52 @@ def test_an_abort_a_refusal_and_the_queue_counts(smollm_llm):
     assert messages[-1].num_waiting == 0 and messages[-1].snapshot is not None
 
 
-def test_text_taken_back_by_a_stop_string_is_cut_at_the_offset():
+def test_a_stop_string_ends_the_sample_at_its_token_on_the_api_side(smollm_llm):
     from deepbatch.engine.core_messages import CompletionDelta, OutputDelta
 
-    assembler = OutputAssembler()
-    assembler.add("r", "p", [1], "default")
-    first = assembler.apply(OutputDelta("r", [CompletionDelta(0, 0, "Hello wor", 0, [5, 6], None, None)], False, 0,
-                                        None, None, None))
-    # The stop string "or" ends the request: the core resends from character 7 on (nothing).
-    out = assembler.apply(OutputDelta("r", [CompletionDelta(0, 7, "", 2, [7], "stop", "or")], True, 0, None, None,
-                                      None))
-    assert first.outputs[0].text == "Hello wor" and first.outputs[0].token_ids == [5, 6]
-    assert out.outputs[0].text == "Hello w" and out.outputs[0].token_ids == [5, 6, 7] and out.finished
-    assert out.outputs[0].stop_reason == "or" and out.prompt_token_ids == [1]
+    tokenizer = smollm_llm.engine.tokenizer
+    ids = tokenizer.encode("Hello world. Stop here, please go on", add_special_tokens=False)
+    assembler = OutputAssembler(tokenizer)
+    assembler.add("r", "p", [1], "default", SamplingParams(stop=[" here"], logprobs=0))
+    outs, finishes = [], []
+    for i, token in enumerate(ids):  # the core knows no stop strings: it sends every token
+        delta = CompletionDelta(0, i, [token], None, None, i, [{token: (-1.0, 1)}])
+        out, sent = assembler.apply(OutputDelta("r", [delta], False, 0, None, None, None))
+        outs.append(out)
+        finishes += sent
+    # The core's answer to the FinishSample: the sample stopped, after a token it sampled meanwhile.
+    last = CompletionDelta(0, len(ids), [ids[0]], "stop", " here", len(ids), [{ids[0]: (-1.0, 1)}])
+    final, sent = assembler.apply(OutputDelta("r", [last], True, 0, None, None, None))
+    stop_at = next(i for i, out in enumerate(outs) if out.outputs[0].finish_reason is not None)
+    c = outs[stop_at].outputs[0]
+    assert c.text == "Hello world. Stop" and c.token_ids == ids[:stop_at + 1]
+    assert (c.finish_reason, c.stop_reason) == ("stop", " here") and len(c.logprobs) == stop_at + 1
+    assert tokenizer.decode(ids[:stop_at + 1]).endswith(" here") and stop_at < len(ids) - 1
+    assert finishes == [FinishSample("r", 0, " here")] and sent == []
+    assert outs[-1].outputs[0] == c and not outs[-1].finished  # later tokens are dropped
+    assert final.finished and final.outputs[0] == c and final.prompt_token_ids == [1]
+    assert [o.outputs[0].text for o in outs[:2]] == ["Hello", "Hello world"]
+
+
+def test_text_that_cannot_be_decoded_fails_that_sample_alone(smollm_llm):
+    from deepbatch.engine.core_messages import CompletionDelta, OutputDelta
+
+    assembler = OutputAssembler(smollm_llm.engine.tokenizer)
+    assembler.add("r", "p", [1], "default", SamplingParams(n=2))
+    bad, update = 7, assembler._detokenizer.update
+
+    def failing(sample, token_ids):  # as a tokenizer that cannot take a token would
+        if bad in token_ids:
+            raise ValueError("cannot decode")
+        return update(sample, token_ids)
+
+    assembler._detokenizer.update = failing
+    out, finishes = assembler.apply(OutputDelta("r", [CompletionDelta(0, 0, [bad], None, None),
+                                                      CompletionDelta(1, 0, [19556], None, None)],
+                                                False, 0, None, None, None))
+    assert [c.finish_reason for c in out.outputs] == ["error", None] and "detokenization failed" in out.error
+    assert len(finishes) == 1 and finishes[0].index == 0 and "detokenization failed" in finishes[0].error
+    assert out.outputs[1].text and not out.finished
 
 
 def test_a_request_with_a_compiled_grammar_crosses_without_it(smollm_llm):
