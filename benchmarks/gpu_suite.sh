@@ -173,7 +173,7 @@ run_stage() {
     # The server against the offline engine on the same requests, in one run (issue: the server at
     # the engine's speed). Needs fastapi, uvicorn, pydantic, pyzmq, msgspec, httpx (carry wheels).
     serve-vs-offline) stage $1 ${T_SVO:-420} python3 -m deepbatch.bench.serve_offline "$M/qwen3-0.6b.json" --random-weights \
-      --num-prompts ${SVO_PROMPTS:-1000} --random-input-len 1000 --random-output-len 250 --variants ${SVO_VARIANTS:-process,api2} \
+      --num-prompts ${SVO_PROMPTS:-1000} --random-input-len 1000 --random-output-len 250 --variants ${SVO_VARIANTS:-process,api2,offline-core} \
       --single-stream 20 --max-model-len 4096 --output-json "$OUT/$1.json" ;;
     serve-vs-offline-8b) stage $1 ${T_SVO8:-420} python3 -m deepbatch.bench.serve_offline "$M/llama-3.1-8b.json" --random-weights \
       --num-prompts ${SVO8_PROMPTS:-512} --random-input-len 1000 --random-output-len 250 --variants ${SVO8_VARIANTS:-process} \

@@ -67,6 +67,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # 1 (the default): ``deepbatch serve`` runs the engine core in a process of its own beside
     # the API process; 0: it steps the engine on a thread of the API process (for debugging).
     "DEEPBATCH_ENGINE_PROCESS": _int("DEEPBATCH_ENGINE_PROCESS", 1),
+    # 1: the offline ``LLM`` runs the engine core in a process of its own and makes the text in
+    # the calling process (``engine/offline_client.py``); 0 (the default): it steps the engine in
+    # the calling process, where ``LLM.engine`` reaches every part of it.
+    "DEEPBATCH_LLM_ENGINE_PROCESS": _int("DEEPBATCH_LLM_ENGINE_PROCESS", 0),
 }
 
 

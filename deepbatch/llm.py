@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
+from deepbatch import envs
 from deepbatch.config import EngineConfig
 from deepbatch.engine_args import engine_config, llm_docstring
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepbatch.engine.offline_client import OfflineCoreClient
 
 
 class LLM:
@@ -72,17 +77,32 @@ class LLM:
         # Every local here is a parameter: the builder gets them all, so none can be dropped.
         kwargs = dict(locals())
         del kwargs["self"]
-        config = engine_config(**kwargs)
-        torch.manual_seed(seed)
-        self.engine = LLMEngine(config)
+        self._start(engine_config(**kwargs))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLM":
         """An LLM over an already-built engine config (the CLI builds one from its flags)."""
         llm = cls.__new__(cls)
-        torch.manual_seed(config.model.seed)
-        llm.engine = LLMEngine(config)
+        llm._start(config)
         return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        """The engine in this process, or with ``DEEPBATCH_LLM_ENGINE_PROCESS=1`` the engine core in
+        a process of its own (``engine/offline_client.py``); ``self.engine`` is then its frontend."""
+        torch.manual_seed(config.model.seed)
+        self._core: OfflineCoreClient | None = None
+        if envs.DEEPBATCH_LLM_ENGINE_PROCESS:
+            from deepbatch.engine.offline_client import OfflineCoreClient
+
+            self._core = OfflineCoreClient(config)
+            self.engine = self._core.frontend
+        else:
+            self.engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop the engine core process, where there is one (it also stops when this process exits)."""
+        if self._core is not None:
+            self._core.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -122,6 +142,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, items, use_tqdm: bool, priority) -> list[RequestOutput]:
+        if self._core is not None:
+            return self._run_in_core(items, use_tqdm, priority)
         engine = self.engine
         # Validate everything first so one bad prompt queues nothing.
         batches = [
@@ -141,6 +163,27 @@ class LLM:
         except BaseException:
             for pid in order:
                 engine.abort_request(pid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def _run_in_core(self, items, use_tqdm: bool, priority) -> list[RequestOutput]:
+        core = self._core
+        # Validate everything first so one bad prompt queues nothing.
+        checked = [core.check(p, sp) for p, sp in items]
+        order = {core.add(text, ids, sp, priority[i] if priority else 0): i
+                 for i, (text, ids, sp) in enumerate(checked)}
+        results: list[RequestOutput | None] = [None] * len(items)
+        bar = tqdm(total=len(items), desc="Generating", unit="req", disable=not use_tqdm or len(items) < 2)
+        try:
+            while core.num_open:
+                for out in core.step():
+                    if out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            core.abort(order)
             raise
         finally:
             bar.close()

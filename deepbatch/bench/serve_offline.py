@@ -10,7 +10,8 @@ both the offline engine and the server. Each side runs in a process of its own, 
 other, so each has the whole GPU: the offline engine first, then one server per ``--variants``
 entry (``process``: the engine core in its own process, the default; ``apiN``: the same with N
 API processes, ``--api-server-count N``; ``thread``: the engine stepped on a thread of the API
-process, ``DEEPBATCH_ENGINE_PROCESS=0``). The load is
+process, ``DEEPBATCH_ENGINE_PROCESS=0``; ``offline-core``: no server, the offline engine again
+with its core in a process of its own, ``DEEPBATCH_LLM_ENGINE_PROCESS=1``). The load is
 ``deepbatch bench serve`` with every request sent at once (streamed, token-id prompts,
 ``ignore_eos``), from ``--num-client-processes`` processes so the client is never the limit.
 ``--single-stream N`` adds N requests one at a time per server for TTFT and TPOT at no load;
@@ -34,13 +35,20 @@ from deepbatch.engine_args import add_engine_args
 _VARIANT_ENV = {"process": {"DEEPBATCH_ENGINE_PROCESS": "1"}, "thread": {"DEEPBATCH_ENGINE_PROCESS": "0"}}
 
 
+# The offline engine over its core process, compared with the offline run in this process.
+OFFLINE_CORE = "offline-core"
+
+
 def _variant(name: str) -> tuple[dict[str, str], list[str]]:
     """A variant's environment and extra server flags; ValueError for an unknown one."""
+    if name == OFFLINE_CORE:
+        return {"DEEPBATCH_LLM_ENGINE_PROCESS": "1"}, []
     if name in _VARIANT_ENV:
         return _VARIANT_ENV[name], []
     if name.startswith("api") and name[3:].isdigit() and int(name[3:]) >= 1:
         return _VARIANT_ENV["process"], ["--api-server-count", name[3:]]
-    raise ValueError(f"--variants: unknown {name!r}; choose from process, thread, apiN (N API processes)")
+    raise ValueError(f"--variants: unknown {name!r}; choose from process, thread, apiN (N API processes), "
+                     f"{OFFLINE_CORE}")
 
 
 def _bench_parser() -> argparse.ArgumentParser:
@@ -53,7 +61,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
                    "(default: the model's vocabulary)")
     p.add_argument("--variants", default="process", help="comma-separated: process, thread, apiN (e.g. api2: "
-                   "--api-server-count 2)")
+                   f"--api-server-count 2), {OFFLINE_CORE} (the offline engine over its core process)")
     p.add_argument("--num-client-processes", type=int, default=4)
     p.add_argument("--single-stream", type=int, default=0, metavar="N")
     p.add_argument("--disconnect", type=int, default=0, metavar="R",
@@ -135,10 +143,11 @@ def run_offline(bench: argparse.Namespace, engine_argv: list[str]) -> dict:
     return {"requests": len(outs), "output_tokens": n_out, "seconds": seconds, "output_throughput": n_out / seconds}
 
 
-def _offline_in_child(bench_argv: list[str], engine_argv: list[str], out_dir: str) -> dict:
-    path = os.path.join(out_dir, "offline.json")
+def _offline_in_child(bench_argv: list[str], engine_argv: list[str], out_dir: str, name: str = "offline",
+                      env: dict[str, str] | None = None) -> dict:
+    path = os.path.join(out_dir, f"{name}.json")
     cmd = [sys.executable, "-m", "deepbatch.bench.serve_offline", "--offline-only", path, *bench_argv, *engine_argv]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env={**os.environ, **(env or {})})
     with open(path) as f:
         return json.load(f)
 
@@ -226,6 +235,14 @@ def run(argv: list[str]) -> dict:
           f"{offline['seconds']:.1f} s)", flush=True)
     servers = {}
     for variant in variants:
+        if variant == OFFLINE_CORE:
+            servers[variant] = _offline_in_child(_bench_only(argv, engine_argv), engine_argv, out_dir, variant,
+                                                 _variant(variant)[0])
+            tok_s = servers[variant]["output_throughput"]
+            servers[variant]["vs_offline"] = ratio = tok_s / offline["output_throughput"]
+            print(f"offline, engine core process: {tok_s:,.0f} output tok/s, "
+                  f"{100 * ratio:.1f}% of offline in one process", flush=True)
+            continue
         servers[variant] = run_server(bench, engine_argv, variant, vocab, out_dir)
         ratio = servers[variant]["output_throughput"] / offline["output_throughput"]
         servers[variant]["vs_offline"] = ratio

@@ -130,13 +130,7 @@ class EngineCoreClient(EngineClient):
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.bind(addresses.outputs[index])
         if seat is None:
-            # A CUDA core is spawned: this process asked the driver about devices while it built
-            # the config, and a forked child of such a process cannot use CUDA.
-            mp = multiprocessing.get_context("spawn" if config.device != "cpu" else choose_start_method())
-            process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
-                                 args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
-            process.start()
-            self._core: _OwnCore | _SharedCore = _OwnCore(process)
+            self._core: _OwnCore | _SharedCore = start_core(config, addresses, fault_inject_step)
             set_process_title("deepbatch::APIServer")
             # multiprocessing joins a non-daemon child at exit (the core cannot be a daemon: it
             # starts the tensor-parallel workers); an API process that exits without a shutdown
@@ -165,22 +159,11 @@ class EngineCoreClient(EngineClient):
         return cls(config, **kwargs)
 
     def _wait_ready(self, outputs, timeout: float | None) -> Ready:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if outputs.poll(500):
-                message = decode_core_message(outputs.recv())
-                if isinstance(message, Ready):
-                    logger.info("engine core ready (pid %d, %d KV blocks)", message.pid, message.num_blocks)
-                    return message
-                if isinstance(message, Dead):
-                    self._reap()
-                    raise RuntimeError(message.message)
-            if not self._core.is_alive():
-                self._reap()
-                raise RuntimeError(f"the engine core process {self._core.exit_status()} before it was ready")
-            if deadline is not None and time.monotonic() > deadline:
-                self._reap()
-                raise RuntimeError(f"the engine core was not ready after {timeout} s")
+        try:
+            return wait_ready(outputs, self._core, timeout)
+        except RuntimeError:
+            self._reap()
+            raise
 
     # -- read-only views ----------------------------------------------------------------------------
 
@@ -335,6 +318,37 @@ class EngineCoreClient(EngineClient):
             self._notify_observers(outputs)
         self._deliver(pairs)
         self._deliver_error(errors)
+
+
+def start_core(config: EngineConfig, addresses: CoreAddresses, fault_inject_step: int | None = None,
+               spawn: bool = False) -> _OwnCore:
+    """The engine core as a child of this process, on ``addresses`` (bound here first); ``spawn``:
+    never forked (a process that may have run torch's thread pools: a fork of it can hang)."""
+    # A CUDA core is spawned: this process asked the driver about devices while it built the
+    # config, and a forked child of such a process cannot use CUDA.
+    mp = multiprocessing.get_context("spawn" if spawn or config.device != "cpu" else choose_start_method())
+    process = mp.Process(target=run_engine_core, name="deepbatch::EngineCore",
+                         args=(config, addresses, fault_inject_step, os.getpid()), daemon=False)
+    process.start()
+    return _OwnCore(process)
+
+
+def wait_ready(outputs, core: _OwnCore | _SharedCore, timeout: float | None) -> Ready:
+    """The core's ``Ready`` from the ``outputs`` socket; RuntimeError (the caller stops the core)
+    when it failed, exited or took longer than ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if outputs.poll(500):
+            message = decode_core_message(outputs.recv())
+            if isinstance(message, Ready):
+                logger.info("engine core ready (pid %d, %d KV blocks)", message.pid, message.num_blocks)
+                return message
+            if isinstance(message, Dead):
+                raise RuntimeError(message.message)
+        if not core.is_alive():
+            raise RuntimeError(f"the engine core process {core.exit_status()} before it was ready")
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(f"the engine core was not ready after {timeout} s")
 
 
 class _OwnCore:

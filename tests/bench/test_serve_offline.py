@@ -22,7 +22,8 @@ def free_port() -> int:
 
 def test_the_same_requests_offline_and_through_a_server(tmp_path):
     out = tmp_path / "result.json"
-    argv = ["--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "10", "--variants", "process",
+    argv = ["--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "10",
+            "--variants", "process,offline-core",
             "--num-client-processes", "2", "--single-stream", "2", "--disconnect", "2", "--disconnect-streams", "3",
             "--port", str(free_port()),
             "--output-json", str(out), TINY, "--random-weights", "--max-model-len", "512", "--device", "cpu"]
@@ -33,6 +34,10 @@ def test_the_same_requests_offline_and_through_a_server(tmp_path):
     assert server["completed"] == 6 and server["failed"] == 0 and server["total_output_tokens"] == 6 * 10
     assert server["vs_offline"] == server["output_throughput"] / offline["output_throughput"]
     assert server["single_stream"]["mean_ttft_ms"] > 0
+    # The offline engine again over its own core process: the same tokens.
+    core = result["servers"]["offline-core"]
+    assert core["output_tokens"] == 6 * 10
+    assert core["vs_offline"] == core["output_throughput"] / offline["output_throughput"]
     # Streams whose clients left while they ran were all aborted and let go (the probe raises if
     # any is still held).
     disconnect = server["disconnect"]
