@@ -83,9 +83,11 @@ run_stage() {
       --num-requests ${SV_REQUESTS:-1024} --output-json "$OUT/$1.json" ;;
     # The variants under py-spy (pip install py-spy): where each one's host time goes, in collapsed
     # stacks (benchmarks/pyspy_summary.py reads them; the temperature-only runs are in them too).
+    # By default everything at once and a JSON schema, so SmolLM2's tokenizer (as sampling-json).
     sampling-variants-pyspy) stage $1 ${T_SVP:-300} py-spy record --nonblocking --rate 250 --format raw -o "$OUT/$1.txt" \
       -- python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
-      --num-requests ${SV_REQUESTS:-512} --variants ${SVP_VARIANTS:-all} --output-json "$OUT/$1.json" ;;
+      --vocab-size 49152 --tokenizer "${BENCH_TOKENIZER:-.bench-tokenizer}" \
+      --num-requests ${SV_REQUESTS:-512} --variants ${SVP_VARIANTS:-all,json} --output-json "$OUT/$1.json" ;;
     sample-sweep) stage $1 150 python3 benchmarks/sample_sweep.py --output-json "$OUT/$1.json" ;;
     kernels-sampling) stage $1 150 $PYTEST -m gpu tests/kernels/test_sample.py tests/kernels/test_sample_top_k_top_p.py tests/kernels/test_sample_rejection.py \
       tests/kernels/test_apply_penalties.py tests/kernels/test_logprobs_topk.py tests/sampling ;;
