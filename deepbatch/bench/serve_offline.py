@@ -169,7 +169,10 @@ def _start_server(engine_argv: list[str], bench: argparse.Namespace, variant: st
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the {variant} server exited with {proc.returncode}; see {log_path}")
+            log.close()
+            with open(log_path, errors="replace") as f:  # its end, here: the log may not outlive the run
+                tail = "".join(f.readlines()[-40:])
+            raise RuntimeError(f"the {variant} server exited with {proc.returncode}; the end of {log_path}:\n{tail}")
         try:
             if _get(f"http://127.0.0.1:{bench.port}/health") == 200:
                 if flags:  # the first API process answers; the others bind the port within moments
