@@ -18,16 +18,16 @@ from deepbatch.core.outputs import Logprob
 
 
 class StepLogprobs:
-    """One step's logprobs. Row ``i`` (the step's ``i``-th sampled request) holds the sampled
-    token's logprob and rank, and the ``k_max`` most likely tokens' logprobs and ids, best first;
-    ``counts[i]`` is how many of those the row's request asked for (None: it did not ask)."""
+    """One step's logprobs: the sampler's host table, row ``i`` for the step's ``i``-th sampled
+    request: ``[logprob of the sampled token, its rank, the k_max best logprobs, their ids]``
+    (ids as floats, exact below 2**24), best first. ``counts[i]`` is how many of the best the
+    row's request asked for (None: it did not ask). Nothing is converted until a row is read."""
 
-    __slots__ = ("_chosen", "_ranks", "_top_lps", "_top_ids", "_token_ids", "counts")
+    __slots__ = ("_table", "_k", "_token_ids", "counts")
 
-    def __init__(self, chosen: list[float], ranks: list[int], top_lps: list[list[float]],
-                 top_ids: list[list[int]], token_ids: list[int], counts: list[int | None]):
-        self._chosen, self._ranks = chosen, ranks
-        self._top_lps, self._top_ids = top_lps, top_ids
+    def __init__(self, table, k: int, token_ids: list[int], counts: list[int | None]):
+        """``table``: a numpy array of ``len(counts)`` rows and ``2 + 2 * k`` columns."""
+        self._table, self._k = table, k
         self._token_ids, self.counts = token_ids, counts
 
     def __len__(self) -> int:
@@ -37,23 +37,28 @@ class StepLogprobs:
         """Row ``row`` in vLLM's shape (None for a row that did not ask)."""
         return None if self.counts[row] is None else self.entry(row)
 
+    def _row(self, row: int) -> tuple[int, float, int, list[float], list[float]]:
+        values = self._table[row].tolist()  # one conversion of the row
+        k = self._k
+        return self._token_ids[row], values[0], int(values[1]), values[2:2 + k], values[2 + k:2 + 2 * k]
+
     def entry(self, row: int) -> dict[int, Logprob]:
-        sampled = self._token_ids[row]
-        entry = {sampled: Logprob(self._chosen[row], self._ranks[row])}
-        ids, lps = self._top_ids[row], self._top_lps[row]
+        sampled, logprob, rank, lps, ids = self._row(row)
+        entry = {sampled: Logprob(logprob, rank)}
         for j in range(self.counts[row]):
-            if ids[j] != sampled:  # the top ids are distinct: only the sampled one can repeat
-                entry[ids[j]] = Logprob(lps[j], j + 1)
+            t = int(ids[j])
+            if t != sampled:  # the top ids are distinct: only the sampled one can repeat
+                entry[t] = Logprob(lps[j], j + 1)
         return entry
 
     def wire(self, row: int) -> dict[int, tuple[float, int]]:
         """``entry(row)`` as ``{token_id: (logprob, rank)}``: no ``Logprob`` objects."""
-        sampled = self._token_ids[row]
-        entry = {sampled: (self._chosen[row], self._ranks[row])}
-        ids, lps = self._top_ids[row], self._top_lps[row]
+        sampled, logprob, rank, lps, ids = self._row(row)
+        entry = {sampled: (logprob, rank)}
         for j in range(self.counts[row]):
-            if ids[j] != sampled:
-                entry[ids[j]] = (lps[j], j + 1)
+            t = int(ids[j])
+            if t != sampled:
+                entry[t] = (lps[j], j + 1)
         return entry
 
 

@@ -44,6 +44,10 @@ class PenaltyState:
         self._free: list[int] = []
         # The last (rows, slots) copied to the device, reused by ``record`` for the same batch.
         self._index: tuple[tuple[list[int], list[int]], torch.Tensor] | None = None
+        # The last batch ``apply`` saw: its requests' ids (the requests held, so no id is reused
+        # while it is kept), rows, slots and penalty values on the device. A decode batch is
+        # mostly the same requests in the same order from one step to the next.
+        self._batch: tuple[list[int], list[Request], list[int], list[int], torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -65,15 +69,23 @@ class PenaltyState:
         sampling fails is sampled again row by row from them). Fills the slots of requests seen
         for the first time. ``kernel``: one Triton pass (``kernels/apply_penalties.py``) instead
         of the torch ops."""
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+        key = list(map(id, requests))
+        if self._batch is not None and self._batch[0] == key:
+            rows, slots, values = self._batch[2], self._batch[3], self._batch[4]
+        else:
+            rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
+            if not rows:
+                self._batch = None
+                return logits
+            slots = [self._slot(requests[i], logits.shape[1]) for i in rows]
+            values = self._to_device([[requests[i].sampling_params.repetition_penalty for i in rows],
+                                      [requests[i].sampling_params.frequency_penalty for i in rows],
+                                      [requests[i].sampling_params.presence_penalty for i in rows]], torch.float32)
+            self._batch = (key, list(requests), rows, slots, values)
         if not rows:
             return logits
-        slots = [self._slot(requests[i], logits.shape[1]) for i in rows]
         index = self._device_index(rows, slots)
-        params = [[requests[i].sampling_params.repetition_penalty for i in rows],
-                  [requests[i].sampling_params.frequency_penalty for i in rows],
-                  [requests[i].sampling_params.presence_penalty for i in rows]]
-        rep, freq, pres = self._to_device(params, torch.float32)
+        rep, freq, pres = values
         whole = len(rows) == logits.shape[0]
         if kernel and logits.dtype == torch.float32 and logits.stride(1) == 1:
             out = torch.empty_like(logits) if whole else logits.clone()
@@ -88,11 +100,15 @@ class PenaltyState:
         and requests without a filled slot are left out."""
         if not self._slots:  # no penalised request alive: nothing to count (the common step)
             return
-        rows, slots = [], []
-        for i, r in enumerate(requests):
-            entry = self._slots.get(r.request_id)
-            if entry is not None and entry[1] is r and not (skip and i in skip):
-                rows.append(i), slots.append(entry[0])
+        batch = self._batch
+        if not skip and batch is not None and batch[0] == list(map(id, requests)):
+            rows, slots = batch[2], batch[3]  # the batch ``apply`` filled: every row has its slot
+        else:
+            rows, slots = [], []
+            for i, r in enumerate(requests):
+                entry = self._slots.get(r.request_id)
+                if entry is not None and entry[1] is r and not (skip and i in skip):
+                    rows.append(i), slots.append(entry[0])
         if not rows:
             return
         index = self._device_index(rows, slots)
@@ -106,6 +122,7 @@ class PenaltyState:
         entry = self._slots.pop(request_id, None)
         if entry is not None:
             self._free.append(entry[0])
+            self._batch = None  # its slot may go to another request: the next batch is looked up
 
     # -- slots -----------------------------------------------------------------------------
 

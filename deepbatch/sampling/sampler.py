@@ -29,7 +29,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from deepbatch.core.logprobs import StepLogprobs
@@ -137,12 +136,10 @@ class PendingSample:
 
 
 def _logprob_entries(table: torch.Tensor, k: int, token_ids: list[int], params) -> StepLogprobs:
-    """The kernel's host table as a ``StepLogprobs``: its columns converted whole (ids to int in
-    one op), no per-row objects; each row's dict is built where it is read (``core/logprobs.py``)."""
-    table = table.numpy()  # numpy, not torch ops: those pay for torch's thread pool on the host
-    chosen, ranks = table[:, 0].tolist(), table[:, 1].astype(np.int64).tolist()
-    top_lps, top_ids = table[:, 2:2 + k].tolist(), table[:, 2 + k:2 + 2 * k].astype(np.int64).tolist()
-    return StepLogprobs(chosen, ranks, top_lps, top_ids, token_ids, [p.logprobs for p in params])
+    """The kernel's host table as a ``StepLogprobs``, converted nowhere: each row's dict is built
+    where it is read (``core/logprobs.py``). A copy, so the pinned buffer goes back to torch's
+    host allocator at once (a pinned block held per step would make each step allocate anew)."""
+    return StepLogprobs(table.numpy().copy(), k, token_ids, [p.logprobs for p in params])
 
 
 class Sampler:
@@ -161,6 +158,9 @@ class Sampler:
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
         self.penalties = PenaltyState(self.device, reserved_rows=max_num_seqs)
+        # The last filtered batch: its requests' ids (the requests held, so no id is reused while
+        # it is kept), the vocabulary, and its filters on the device (``_sample_filtered``).
+        self._filtered: tuple | None = None
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
@@ -301,24 +301,32 @@ class Sampler:
     def _sample_filtered(self, logits, requests):
         """Top-k, top-p, min-p and seeds (``kernels/sample_rejection.py``: the tokens of
         ``kernels/sample_top_k_top_p.py`` in parallel passes); greedy rows take the argmax."""
+        key = list(map(id, requests))
+        if self._filtered is None or self._filtered[0] != key or self._filtered[2] != logits.shape[1]:
+            self._filtered = (key, list(requests), logits.shape[1], self._filter_params(requests, logits.shape[1]))
+        (temperature, top_p, min_p, top_k, seeds, seeded), flags = self._filtered[3]
+        # The one per-row value that moves every step (the seeded rows' stream position).
+        positions = self._to_device([[stream_position(r.num_output_tokens, r.index) for r in requests]],
+                                    torch.int64)[0]
+        return sample_rejection(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded,
+                                self._philox_seed, self._next_offset(logits), **flags)
+
+    def _filter_params(self, requests, vocab: int):
+        """The batch's per-row filters on the device, and the kernel's flags. Kept for as long as
+        the batch holds the same requests in the same order (most decode steps): a request's
+        sampling parameters never change."""
         params = [r.sampling_params for r in requests]
-        floats = self._to_device([[0.0 if p.greedy else p.temperature for p in params],
-                                  [p.top_p for p in params], [p.min_p for p in params]])
-        ints = self._to_device([
+        temperature, top_p, min_p = self._to_device([[0.0 if p.greedy else p.temperature for p in params],
+                                                     [p.top_p for p in params], [p.min_p for p in params]])
+        top_k, seeds, seeded = self._to_device([
             [p.top_k for p in params],
             [0 if p.seed is None else seed_as_int64(p.seed) for p in params],
-            [stream_position(r.num_output_tokens, r.index) for r in requests],
             [int(p.seed is not None) for p in params],
         ], torch.int64)
-        temperature, top_p, min_p = floats
-        top_k, seeds, positions, seeded = ints
-        vocab = logits.shape[1]
         sampled = [p for p in params if not p.greedy]
-        return sample_rejection(logits, temperature, top_k.int(), top_p, min_p, seeds, positions, seeded.bool(),
-                                self._philox_seed, self._next_offset(logits),
-                                max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0),
-                                any_top_p=any(p.top_p < 1.0 for p in sampled),
-                                any_min_p=any(p.min_p > 0.0 for p in sampled))
+        flags = dict(max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0),
+                     any_top_p=any(p.top_p < 1.0 for p in sampled), any_min_p=any(p.min_p > 0.0 for p in sampled))
+        return (temperature, top_p, min_p, top_k.int(), seeds, seeded.bool()), flags
 
     def _sample(self, logits, requests):
         params = [r.sampling_params for r in requests]
