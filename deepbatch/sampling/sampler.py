@@ -42,7 +42,7 @@ from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
 from deepbatch.sampling.host_copy import copy_to_host, table_to_device
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
-from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples
+from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples, warm_up_bitmask
 
 if TYPE_CHECKING:
     from deepbatch.sampling.prompt_logprobs import PendingPromptLogprobs
@@ -243,6 +243,7 @@ class Sampler:
             logprobs_topk(logits, zero, 5)
             state = torch.zeros(1, self.vocab_size, dtype=torch.int32, device=self.device)
             apply_penalties(logits, logits.clone(), zero, zero, state, state.bool(), one, one, one)
+            warm_up_bitmask(self.vocab_size, self.device)
 
     # -- logits processors ------------------------------------------------------------------
 

@@ -109,6 +109,22 @@ def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
         row.copy_(torch.from_numpy(kept.view(np.int32)))
 
 
+def warm_up_bitmask(vocab_size: int, device: torch.device) -> None:
+    """Compile xgrammar's mask kernel before the first request, where xgrammar is installed (a
+    no-op otherwise, and nothing is imported). Triton compiles it once per class of its row count
+    (1, a multiple of 16, any other): a batch of constrained rows would otherwise pay a compile
+    the first time its count falls in a class, mid-traffic."""
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is None:
+        return
+    words = (vocab_size + 31) // 32
+    for rows in (1, 16, 17):
+        logits = torch.zeros(rows, vocab_size, device=device)
+        bitmask = torch.full((rows, words), -1, dtype=torch.int32, device=device)
+        apply_bitmask(logits, bitmask, list(range(rows)))
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set ``logits[i, t]`` to -inf for each row ``i`` in ``rows`` whose bitmask clears bit ``t``.
     xgrammar's kernel (C++ on the CPU, Triton on a GPU) where it takes the logits; the unpacked
