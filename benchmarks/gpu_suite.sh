@@ -77,7 +77,8 @@ run_stage() {
     sampling-variants) stage $1 ${T_SV:-420} python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
       --num-requests ${SV_REQUESTS:-1024} ${SV_VARIANTS:+--variants $SV_VARIANTS} --output-json "$OUT/$1.json" ;;
     # The same with a JSON schema on every request: SmolLM2's real tokenizer under a qwen3-0.6b-shaped
-    # model of its vocabulary (benchmarks/smollm2_tokenizer.py writes it; carry it, and xgrammar's wheels).
+    # model of its vocabulary (benchmarks/smollm2_tokenizer.py writes it; carry it, and xgrammar's wheels
+    # from benchmarks/gpu_wheels.sh).
     sampling-json) stage $1 ${T_SJ:-420} python3 benchmarks/sampling_variants.py --model-config "$M/qwen3-0.6b.json" \
       --vocab-size 49152 --tokenizer "${BENCH_TOKENIZER:-.bench-tokenizer}" --variants temperature,json \
       --num-requests ${SV_REQUESTS:-1024} --output-json "$OUT/$1.json" ;;
@@ -173,7 +174,8 @@ run_stage() {
     long-swa-nowindow) stage $1 ${T_LONG:-500} $TP --workload long-swa --num-requests ${LONG_REQUESTS:-1000} \
       --model-config "$(derive mistral-7b "c['sliding_window']=None" mistral-7b-nowindow)" --output-json "$OUT/$1.json" ;;
     # The server against the offline engine on the same requests, in one run (issue: the server at
-    # the engine's speed). Needs fastapi, uvicorn, pydantic, pyzmq, msgspec, httpx (carry wheels).
+    # the engine's speed). Needs fastapi, uvicorn, pydantic, pyzmq, msgspec, httpx: carry the wheels
+    # benchmarks/gpu_wheels.sh downloads (the lock's versions).
     serve-vs-offline) stage $1 ${T_SVO:-420} python3 -m deepbatch.bench.serve_offline "$M/qwen3-0.6b.json" --random-weights \
       --num-prompts ${SVO_PROMPTS:-1000} --random-input-len 1000 --random-output-len 250 --variants ${SVO_VARIANTS:-process,api2,offline-core} \
       --single-stream 20 --max-model-len 4096 --output-json "$OUT/$1.json" ;;
