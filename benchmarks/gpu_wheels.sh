@@ -8,9 +8,10 @@
 #   benchmarks/gpu_wheels.sh py-spy     # and more packages by name, at their newest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# opentelemetry-api: fastapi imports it (its telemetry module) even where tracing is off.
 names="annotated-doc annotated-types anyio apache-tvm-ffi certifi click fastapi h11 httpcore httpx idna msgspec
-  prometheus-client pydantic pydantic-core pyzmq setproctitle starlette typing-extensions typing-inspection uvicorn
-  uvloop xgrammar xxhash"
+  opentelemetry-api prometheus-client pydantic pydantic-core pyzmq setproctitle starlette typing-extensions
+  typing-inspection uvicorn uvloop xgrammar xxhash"
 reqs=$(mktemp)
 for n in $names; do
   grep -iE "^${n}==" requirements/ci.lock | sed 's/ ;.*//' >> "$reqs"
