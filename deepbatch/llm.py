@@ -121,7 +121,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        one = isinstance(sampling_params, SamplingParams)
+        params = [sampling_params] * len(prompts) if one else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         return self._run([(p, sp) for p, sp in zip(prompts, params)], use_tqdm, priority)
