@@ -269,6 +269,10 @@ class EngineConfig:
     fault_inject_sample_request: str | None = internal(
         None, "testing only: the sampler raises for the request (or parent request) with this id",
         env="DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST")
+    # And one in making its text (the API process's, beside an engine core process).
+    fault_inject_detokenize_request: str | None = internal(
+        None, "testing only: detokenization raises for the request (or parent request) with this id",
+        env="DEEPBATCH_FAULT_INJECT_DETOKENIZE_REQUEST")
 
     def __post_init__(self) -> None:
         _check_choices(self)

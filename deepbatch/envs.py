@@ -52,6 +52,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Testing only: the sampler raises for the request with this id (the server's ids are
     # "cmpl-<X-Request-Id>"), to exercise request-scoped faults. Unset in production.
     "DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST": lambda: os.environ.get("DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST") or None,
+    # Testing only: detokenization raises for the request with this id (in the API process when the
+    # engine core runs in its own), to exercise request-scoped faults there. Unset in production.
+    "DEEPBATCH_FAULT_INJECT_DETOKENIZE_REQUEST":
+        lambda: os.environ.get("DEEPBATCH_FAULT_INJECT_DETOKENIZE_REQUEST") or None,
     # The server's API key when --api-key is not given (keeps it out of the process list).
     "DEEPBATCH_API_KEY": lambda: os.environ.get("DEEPBATCH_API_KEY") or None,
     # Seconds between the server's throughput/occupancy log lines; 0 turns them off.

@@ -149,7 +149,8 @@ class EngineCoreClient(EngineClient):
         self._sent_seqs = self._sent_tokens = 0  # of every AddRequest sent
         self._applied_seqs = self._applied_tokens = 0  # of those, applied by the core (its last message)
         self._num_waiting = self._num_waiting_tokens = 0
-        self._assembler = OutputAssembler(self.engine.tokenizer)  # the text is made here
+        # The text is made here.
+        self._assembler = OutputAssembler(self.engine.tokenizer, config.fault_inject_detokenize_request)
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False  # shutdown asked for: the core's exit is no death

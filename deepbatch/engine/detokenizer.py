@@ -11,13 +11,17 @@ from deepbatch.core.request import Request
 
 
 class Detokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, fault_request_id: str | None = None):
+        """``fault_request_id`` (testing only) makes ``update`` raise for that request or parent."""
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "_tokenizer", None) if tokenizer is not None else None
+        self.fault_request_id = fault_request_id
 
     def update(self, request: Request, new_token_ids: list[int]) -> str | None:
         """Append the text of ``new_token_ids`` to ``request.output_text``; returns the stop
         string that matched (and truncates the text at it), or None."""
+        if self.fault_request_id is not None and self.fault_request_id in (request.request_id, request.parent_id):
+            raise RuntimeError(f"injected detokenization fault for request {self.fault_request_id}")
         if self._backend is None:
             return None
         from tokenizers.decoders import DecodeStream

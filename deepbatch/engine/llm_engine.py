@@ -98,7 +98,8 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.stats,
-                                       release=self.runner.forget, detokenize=detokenize)
+                                       release=self.runner.forget, detokenize=detokenize,
+                                       fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")

@@ -74,7 +74,7 @@ class OfflineCoreClient:
             self.shutdown()
             raise
         self.frontend = Frontend(config, ready)
-        self._assembler = OutputAssembler(self.frontend.tokenizer)
+        self._assembler = OutputAssembler(self.frontend.tokenizer, config.fault_inject_detokenize_request)
         self._ids = itertools.count()
         self._open: set[str] = set()
 

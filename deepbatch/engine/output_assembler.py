@@ -19,8 +19,9 @@ class OutputAssembler:
     (or cannot be decoded) is finished here at once, its later tokens dropped, and ``apply``
     returns the ``FinishSample`` to send so that the core stops it too."""
 
-    def __init__(self, tokenizer=None) -> None:
-        self._detokenizer = Detokenizer(tokenizer)
+    def __init__(self, tokenizer=None, fault_request_id: str | None = None) -> None:
+        """``fault_request_id``: testing only (``Detokenizer``)."""
+        self._detokenizer = Detokenizer(tokenizer, fault_request_id)
         self._outputs: dict[str, RequestOutput] = {}  # parent id -> its output so far
         self._params: dict[str, SamplingParams] = {}  # parent id -> what its text follows
         self._texts: dict[tuple[str, int], _SampleText] = {}  # (parent id, sample index) -> its text
@@ -102,7 +103,7 @@ class OutputAssembler:
                                     logprobs)
         state = self._texts.get((rid, c.index))
         if state is None:
-            state = self._texts[(rid, c.index)] = _SampleText(params)
+            state = self._texts[(rid, c.index)] = _SampleText(rid, params)
         for j, token in enumerate(c.token_ids):
             try:
                 stop = self._detokenizer.update(state, [token])
@@ -129,9 +130,10 @@ class OutputAssembler:
 class _SampleText:
     """One sample's text and decoder state, as ``Detokenizer.update`` reads them off a request."""
 
-    __slots__ = ("sampling_params", "output_text", "detok_state")
+    __slots__ = ("request_id", "parent_id", "sampling_params", "output_text", "detok_state")
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, request_id: str, params: SamplingParams):
+        self.request_id = self.parent_id = request_id
         self.sampling_params = params
         self.output_text = ""
         self.detok_state = None

@@ -67,11 +67,11 @@ class StepResult:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, tokenizer, max_model_len: int, stats: EngineStats,
-                 release: Callable[[str], None], detokenize: bool = True):
+                 release: Callable[[str], None], detokenize: bool = True, fault_request_id: str | None = None):
         """``detokenize`` False: no text and no stop strings here (the engine core process, whose
         API processes do both and end a sample with ``finish_sample``)."""
         self.scheduler = scheduler
-        self.detokenizer = Detokenizer(tokenizer) if detokenize else None
+        self.detokenizer = Detokenizer(tokenizer, fault_request_id) if detokenize else None
         self.max_model_len = max_model_len
         self.stats = stats
         self._release = release  # drops the runner's per-request state
@@ -141,7 +141,8 @@ class OutputProcessor:
                       error: str | None = None) -> list[Request] | None:
         """End sample ``index`` of a parent request as stopped by ``stop_reason`` (a stop string
         found in its text elsewhere) or failed with ``error``; the parent's samples, or None when
-        it is no longer tracked. A sample that already ended is left as it is."""
+        it is no longer tracked. A sample that already ended is left as it is; a parent whose
+        samples have all ended is no longer tracked (no later step reports it)."""
         children = self.parents.get(parent_id)
         if children is None:
             return None
@@ -154,6 +155,8 @@ class OutputProcessor:
                 r.stop_reason = stop_reason
                 self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
                 self.on_finished(r)
+        if all(r.is_finished for r in children):
+            del self.parents[parent_id]
         return children
 
     def _stop_status(self, r: Request, token: int) -> RequestStatus | None:

@@ -1,6 +1,7 @@
 """A request's fault is that request's, against a real server process on the real engine: a
-sampler fault injected into one request ends it with a clean error while 31 concurrent streams
-finish in full; hundreds of aborted streams and rejected requests leave no request running and
+sampler fault injected into one request (in the engine core) and a detokenization fault into
+another (in the API process, which makes the text) end each with a clean error while 31
+concurrent streams finish in full; hundreds of aborted streams and rejected requests leave no request running and
 every KV block free; a seed outside 64 bits is a 400 (it used to kill the engine) and distinct
 64-bit seeds give distinct samples (they used to collide modulo 2**32 and across choices)."""
 
@@ -16,12 +17,15 @@ from apitest_hostile_bodies import COMPLETIONS, HostileRequest, build, encode, n
 from apitest_hostile_checks import fresh_completion_problem, live_server, parse_sse, stop_restarted, wait_idle
 from apitest_server import API_KEY, MODEL, assert_error, httpx
 
-# The sampler raises for the request whose id is this; the server names a completion request
-# ``cmpl-<X-Request-Id>``.
+# The sampler raises for the request whose id is this, and detokenization for the other; the
+# server names a completion request ``cmpl-<X-Request-Id>``.
 FAULT_ID = "fault-target"
+DETOKENIZE_FAULT_ID = "detokenize-fault-target"
 FAULT_SERVER = dict(
     args=["--num-gpu-blocks-override", "512"],
-    env={"DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST": f"cmpl-{FAULT_ID}", "DEEPBATCH_LOG_STATS_INTERVAL": "5"},
+    env={"DEEPBATCH_FAULT_INJECT_SAMPLE_REQUEST": f"cmpl-{FAULT_ID}",
+         "DEEPBATCH_FAULT_INJECT_DETOKENIZE_REQUEST": f"cmpl-{DETOKENIZE_FAULT_ID}",
+         "DEEPBATCH_LOG_STATS_INTERVAL": "5"},
     api_key=API_KEY,
 )
 SERVERS = {"faults": FAULT_SERVER}
@@ -87,7 +91,7 @@ def _other_body(i: int) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_injected_sampler_fault_ends_only_its_request(server, stream):
+def test_injected_faults_end_only_their_requests(server, stream):
     fault_body = {"model": MODEL, "prompt": "This request fails", "max_tokens": OTHER_TOKENS, "ignore_eos": True,
                   "stream": stream}
 
@@ -99,31 +103,37 @@ def test_injected_sampler_fault_ends_only_its_request(server, stream):
             # The faulted request joins a batch that is already decoding the others, so the fault
             # is raised in a shared sampling pass, not in a batch of its own.
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
-            headers = {"X-Request-Id": FAULT_ID}
-            if stream:
-                faulted = await _stream_events(client, fault_body, headers=headers)
-            else:
+
+            async def faulted(request_id: str):
+                headers = {"X-Request-Id": request_id}
+                if stream:
+                    return await _stream_events(client, fault_body, headers=headers)
                 resp = await client.post("/v1/completions", json=fault_body, headers=headers)
-                faulted = (resp.status_code, resp)
+                return resp.status_code, resp
+
+            faults = await asyncio.gather(faulted(FAULT_ID), faulted(DETOKENIZE_FAULT_ID))
             results = await asyncio.gather(*others)
-            return faulted, results, await health.stop()
+            return faults, results, await health.stop()
 
-    faulted, results, bad_health = asyncio.run(run())
+    faults, results, bad_health = asyncio.run(run())
 
-    if stream:
-        status, events = faulted
-        assert status == 200, (status, events)
-        errors = [e for e in events if isinstance(e, dict) and "error" in e]
-        assert errors and events[-1] == "[DONE]" and events.index(errors[0]) == len(events) - 2, \
-            f"the faulted stream does not end with an error event and [DONE]: {events}"
-        assert errors[0]["error"]["code"] == "request_failed", errors[0]
-        assert not any(c.get("finish_reason") == "length" for e in events if isinstance(e, dict)
-                       for c in e.get("choices", [])), "the faulted request finished normally: did the fault fire?"
-    else:
-        # The server failed this request (the client's input was fine), so 500, with an error
-        # body naming a request failure rather than a dead engine.
-        _, resp = faulted
-        assert_error(resp, 500, code="request_failed")
+    for where, faulted in zip(("sampling", "detokenization"), faults):
+        if stream:
+            status, events = faulted
+            assert status == 200, (where, status, events)
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            assert errors and events[-1] == "[DONE]" and events.index(errors[0]) == len(events) - 2, \
+                f"the stream faulted in {where} does not end with an error event and [DONE]: {events}"
+            assert errors[0]["error"]["code"] == "request_failed", (where, errors[0])
+            assert where in errors[0]["error"]["message"], (where, errors[0])
+            assert not any(c.get("finish_reason") == "length" for e in events if isinstance(e, dict)
+                           for c in e.get("choices", [])), f"the {where} fault did not fire"
+        else:
+            # The server failed this request (the client's input was fine), so 500, with an error
+            # body naming a request failure rather than a dead engine.
+            _, resp = faulted
+            assert_error(resp, 500, code="request_failed")
+            assert where in resp.json()["error"]["message"], (where, resp.text)
 
     for i, (status, events) in enumerate(results):
         assert status == 200, (i, status, events)

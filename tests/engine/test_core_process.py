@@ -86,6 +86,9 @@ def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, li
         pull.close(0)
         push.close(0)
     assert not thread.is_alive()
+    # Nothing is left tracked: a parent ended by a FinishSample (a stop string found on the API
+    # side) is let go like one the core ended itself, so its id is free again.
+    assert not engine.outputs.parents and not engine.has_unfinished_requests()
     return finals, messages
 
 
