@@ -37,29 +37,23 @@ class StepLogprobs:
         """Row ``row`` in vLLM's shape (None for a row that did not ask)."""
         return None if self.counts[row] is None else self.entry(row)
 
-    def _row(self, row: int) -> tuple[int, float, int, list[float], list[float]]:
+    def _entries(self, row: int) -> list[tuple[int, float, int]]:
+        """``(token, logprob, rank)`` of the row: the sampled token, then the best it asked for."""
         values = self._table[row].tolist()  # one conversion of the row
-        k = self._k
-        return self._token_ids[row], values[0], int(values[1]), values[2:2 + k], values[2 + k:2 + 2 * k]
+        k, sampled = self._k, self._token_ids[row]
+        entries = [(sampled, values[0], int(values[1]))]
+        for j in range(self.counts[row]):
+            t = int(values[2 + k + j])
+            if t != sampled:  # the top ids are distinct: only the sampled one can repeat
+                entries.append((t, values[2 + j], j + 1))
+        return entries
 
     def entry(self, row: int) -> dict[int, Logprob]:
-        sampled, logprob, rank, lps, ids = self._row(row)
-        entry = {sampled: Logprob(logprob, rank)}
-        for j in range(self.counts[row]):
-            t = int(ids[j])
-            if t != sampled:  # the top ids are distinct: only the sampled one can repeat
-                entry[t] = Logprob(lps[j], j + 1)
-        return entry
+        return {t: Logprob(lp, rank) for t, lp, rank in self._entries(row)}
 
     def wire(self, row: int) -> dict[int, tuple[float, int]]:
         """``entry(row)`` as ``{token_id: (logprob, rank)}``: no ``Logprob`` objects."""
-        sampled, logprob, rank, lps, ids = self._row(row)
-        entry = {sampled: (logprob, rank)}
-        for j in range(self.counts[row]):
-            t = int(ids[j])
-            if t != sampled:
-                entry[t] = (lps[j], j + 1)
-        return entry
+        return {t: (lp, rank) for t, lp, rank in self._entries(row)}
 
 
 class SampleLogprobs(Sequence):

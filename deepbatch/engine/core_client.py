@@ -121,14 +121,7 @@ class EngineCoreClient(EngineClient):
             self._dir = None
             addresses, index = seat.addresses, seat.index
         self._ctx = zmq.Context()
-        self._inputs = self._ctx.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(addresses.inputs[index])
-        outputs = self._ctx.socket(zmq.PULL)
-        outputs.setsockopt(zmq.RCVHWM, 0)
-        outputs.setsockopt(zmq.LINGER, 0)
-        outputs.bind(addresses.outputs[index])
+        self._inputs, outputs = bind_client_sockets(self._ctx, addresses, index)
         if seat is None:
             self._core: _OwnCore | _SharedCore = start_core(config, addresses, fault_inject_step)
             set_process_title("deepbatch::APIServer")
@@ -319,6 +312,20 @@ class EngineCoreClient(EngineClient):
             self._notify_observers(outputs)
         self._deliver(pairs)
         self._deliver_error(errors)
+
+
+def bind_client_sockets(ctx, addresses: CoreAddresses, index: int = 0):
+    """The client's (PUSH to the core, PULL from it) sockets of pair ``index``, bound, without
+    high-water marks (neither side may stall on the other) or lingering."""
+    sockets = []
+    for kind, hwm, address in ((zmq.PUSH, zmq.SNDHWM, addresses.inputs[index]),
+                               (zmq.PULL, zmq.RCVHWM, addresses.outputs[index])):
+        socket = ctx.socket(kind)
+        socket.setsockopt(hwm, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(address)
+        sockets.append(socket)
+    return tuple(sockets)
 
 
 def start_core(config: EngineConfig, addresses: CoreAddresses, fault_inject_step: int | None = None,

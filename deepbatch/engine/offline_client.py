@@ -33,7 +33,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import EngineDeadError
 from deepbatch.core.outputs import RequestOutput
 from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.engine.core_client import Frontend, start_core, wait_ready
+from deepbatch.engine.core_client import Frontend, bind_client_sockets, start_core, wait_ready
 from deepbatch.engine.core_messages import (
     Abort, AddRequest, Dead, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
 )
@@ -53,14 +53,7 @@ class OfflineCoreClient:
         self._dir = tempfile.mkdtemp(prefix="deepbatch-core-")
         addresses = CoreAddresses.in_dir(self._dir)
         self._ctx = zmq.Context()
-        self._inputs = self._ctx.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.SNDHWM, 0)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.bind(addresses.inputs[0])
-        self._outputs = self._ctx.socket(zmq.PULL)
-        self._outputs.setsockopt(zmq.RCVHWM, 0)
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.bind(addresses.outputs[0])
+        self._inputs, self._outputs = bind_client_sockets(self._ctx, addresses)
         # Spawned, never forked: the caller may have run torch ops on its thread pools (a fork
         # of such a process can hang in them), so a script creates the LLM under
         # ``if __name__ == "__main__":``, as with tensor parallelism.

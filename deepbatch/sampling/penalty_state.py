@@ -25,6 +25,7 @@ import torch
 
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties, apply_penalties_ref
+from deepbatch.sampling.batch_memo import BatchMemo
 from deepbatch.sampling.host_copy import table_to_device
 
 
@@ -44,10 +45,8 @@ class PenaltyState:
         self._free: list[int] = []
         # The last (rows, slots) copied to the device, reused by ``record`` for the same batch.
         self._index: tuple[tuple[list[int], list[int]], torch.Tensor] | None = None
-        # The last batch ``apply`` saw: its requests' ids (the requests held, so no id is reused
-        # while it is kept), rows, slots and penalty values on the device. A decode batch is
-        # mostly the same requests in the same order from one step to the next.
-        self._batch: tuple[list[int], list[Request], list[int], list[int], torch.Tensor] | None = None
+        # The last batch ``apply`` saw: its rows, their slots and penalty values on the device.
+        self._batch = BatchMemo()
 
     @property
     def num_rows(self) -> int:
@@ -69,21 +68,18 @@ class PenaltyState:
         sampling fails is sampled again row by row from them). Fills the slots of requests seen
         for the first time. ``kernel``: one Triton pass (``kernels/apply_penalties.py``) instead
         of the torch ops."""
-        key = list(map(id, requests))
-        if self._batch is not None and self._batch[0] == key:
-            rows, slots, values = self._batch[2], self._batch[3], self._batch[4]
-        else:
+        batch = self._batch.get(requests)
+        if batch is None:
             rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
             if not rows:
-                self._batch = None
+                self._batch.clear()
                 return logits
             slots = [self._slot(requests[i], logits.shape[1]) for i in rows]
             values = self._to_device([[requests[i].sampling_params.repetition_penalty for i in rows],
                                       [requests[i].sampling_params.frequency_penalty for i in rows],
                                       [requests[i].sampling_params.presence_penalty for i in rows]], torch.float32)
-            self._batch = (key, list(requests), rows, slots, values)
-        if not rows:
-            return logits
+            batch = self._batch.put(requests, (rows, slots, values))
+        rows, slots, values = batch
         index = self._device_index(rows, slots)
         rep, freq, pres = values
         whole = len(rows) == logits.shape[0]
@@ -100,9 +96,9 @@ class PenaltyState:
         and requests without a filled slot are left out."""
         if not self._slots:  # no penalised request alive: nothing to count (the common step)
             return
-        batch = self._batch
-        if not skip and batch is not None and batch[0] == list(map(id, requests)):
-            rows, slots = batch[2], batch[3]  # the batch ``apply`` filled: every row has its slot
+        batch = None if skip else self._batch.get(requests)
+        if batch is not None:
+            rows, slots, _ = batch  # the batch ``apply`` filled: every row has its slot
         else:
             rows, slots = [], []
             for i, r in enumerate(requests):
@@ -122,7 +118,7 @@ class PenaltyState:
         entry = self._slots.pop(request_id, None)
         if entry is not None:
             self._free.append(entry[0])
-            self._batch = None  # its slot may go to another request: the next batch is looked up
+            self._batch.clear()  # its slot may go to another request: the next batch is looked up
 
     # -- slots -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from deepbatch.kernels.logprobs_topk import logprobs_topk, logprobs_topk_ref
 from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.kernels.sample_rejection import sample_rejection
 from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
+from deepbatch.sampling.batch_memo import BatchMemo
 from deepbatch.sampling.host_copy import copy_to_host, table_to_device
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
@@ -125,7 +126,7 @@ class PendingSample:
             token_ids = self._host[0].tolist()
             logprobs = None
             if len(self._host) > 1:
-                logprobs = _logprob_entries(self._host[1], self._k_max, token_ids, self._params)
+                logprobs = _step_logprobs(self._host[1], self._k_max, token_ids, self._params)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():
@@ -135,7 +136,7 @@ class PendingSample:
         return self._resolved
 
 
-def _logprob_entries(table: torch.Tensor, k: int, token_ids: list[int], params) -> StepLogprobs:
+def _step_logprobs(table: torch.Tensor, k: int, token_ids: list[int], params) -> StepLogprobs:
     """The kernel's host table as a ``StepLogprobs``, converted nowhere: each row's dict is built
     where it is read (``core/logprobs.py``). A copy, so the pinned buffer goes back to torch's
     host allocator at once (a pinned block held per step would make each step allocate anew)."""
@@ -158,9 +159,8 @@ class Sampler:
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
         self.penalties = PenaltyState(self.device, reserved_rows=max_num_seqs)
-        # The last filtered batch: its requests' ids (the requests held, so no id is reused while
-        # it is kept), the vocabulary, and its filters on the device (``_sample_filtered``).
-        self._filtered: tuple | None = None
+        # The last filtered batch's filters on the device (``_sample_filtered``).
+        self._filters = BatchMemo()
 
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
@@ -302,20 +302,24 @@ class Sampler:
     def _sample_filtered(self, logits, requests):
         """Top-k, top-p, min-p and seeds (``kernels/sample_rejection.py``: the tokens of
         ``kernels/sample_top_k_top_p.py`` in parallel passes); greedy rows take the argmax."""
-        key = list(map(id, requests))
-        if self._filtered is None or self._filtered[0] != key or self._filtered[2] != logits.shape[1]:
-            self._filtered = (key, list(requests), logits.shape[1], self._filter_params(requests, logits.shape[1]))
-        (temperature, top_p, min_p, top_k, seeds, seeded), flags = self._filtered[3]
-        # The one per-row value that moves every step (the seeded rows' stream position).
-        positions = self._to_device([[stream_position(r.num_output_tokens, r.index) for r in requests]],
-                                    torch.int64)[0]
+        vocab = logits.shape[1]
+        filters = self._filters.get(requests, vocab)
+        if filters is None:
+            filters = self._filters.put(requests, self._filter_params(requests, vocab), vocab)
+        (temperature, top_p, min_p, top_k, seeds, seeded), flags, any_seeded = filters
+        # The one per-row value that moves every step: the seeded rows' stream positions (read
+        # for those rows only, so a batch without seeds passes its zero seeds instead).
+        positions = seeds
+        if any_seeded:
+            positions = self._to_device([[stream_position(r.num_output_tokens, r.index) for r in requests]],
+                                        torch.int64)[0]
         return sample_rejection(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded,
                                 self._philox_seed, self._next_offset(logits), **flags)
 
     def _filter_params(self, requests, vocab: int):
-        """The batch's per-row filters on the device, and the kernel's flags. Kept for as long as
-        the batch holds the same requests in the same order (most decode steps): a request's
-        sampling parameters never change."""
+        """The batch's per-row filters on the device, the kernel's flags, and whether any row is
+        seeded. Kept for as long as the batch holds the same requests in the same order (most
+        decode steps): a request's sampling parameters never change."""
         params = [r.sampling_params for r in requests]
         temperature, top_p, min_p = self._to_device([[0.0 if p.greedy else p.temperature for p in params],
                                                      [p.top_p for p in params], [p.min_p for p in params]])
@@ -327,7 +331,8 @@ class Sampler:
         sampled = [p for p in params if not p.greedy]
         flags = dict(max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0),
                      any_top_p=any(p.top_p < 1.0 for p in sampled), any_min_p=any(p.min_p > 0.0 for p in sampled))
-        return (temperature, top_p, min_p, top_k.int(), seeds, seeded.bool()), flags
+        any_seeded = any(p.seed is not None for p in params)
+        return (temperature, top_p, min_p, top_k.int(), seeds, seeded.bool()), flags, any_seeded
 
     def _sample(self, logits, requests):
         params = [r.sampling_params for r in requests]

@@ -7,7 +7,7 @@ import torch
 from deepbatch.core.logprobs import SampleLogprobs
 from deepbatch.core.outputs import Logprob
 from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.sampling.sampler import _logprob_entries
+from deepbatch.sampling.sampler import _step_logprobs
 
 K = 3
 
@@ -22,7 +22,7 @@ def test_rows_read_as_vllms_dicts_sampled_token_first_without_repeating_it():
                         (-2.5, 3, [-0.25, -1.5, -2.5], [4, 5, 8]),   # sampled = the third
                         (-4.0, 9, [-0.5, -1.0, -2.0], [1, 2, 6])])   # sampled outside the top
     params = [SamplingParams(logprobs=3), SamplingParams(logprobs=1), SamplingParams(logprobs=None)]
-    step = _logprob_entries(table, K, [7, 8, 11], params)
+    step = _step_logprobs(table, K, [7, 8, 11], params)
     assert step[0] == {7: Logprob(-0.5, 1), 3: Logprob(-1.5, 2), 9: Logprob(-2.5, 3)}
     assert list(step[0]) == [7, 3, 9]
     assert step[1] == {8: Logprob(-2.5, 3), 4: Logprob(-0.25, 1)}  # asked for 1: the sampled one and the best
@@ -33,7 +33,7 @@ def test_rows_read_as_vllms_dicts_sampled_token_first_without_repeating_it():
 
 
 def test_a_sample_reads_like_a_list_and_builds_each_position_once():
-    steps = [_logprob_entries(step_table([(-float(i), i + 1, [-0.5, -1.0, -2.0], [10 + i, 20, 30])]), K, [5], [
+    steps = [_step_logprobs(step_table([(-float(i), i + 1, [-0.5, -1.0, -2.0], [10 + i, 20, 30])]), K, [5], [
         SamplingParams(logprobs=2)]) for i in range(4)]
     sample = SampleLogprobs()
     for step in steps:
@@ -48,7 +48,7 @@ def test_a_sample_reads_like_a_list_and_builds_each_position_once():
 
 def test_a_copy_is_a_snapshot_and_survives_pickling():
     table = step_table([(-1.0, 2, [-0.5, -1.0, -2.0], [1, 2, 3])])
-    step = _logprob_entries(table, K, [2], [SamplingParams(logprobs=1)])
+    step = _step_logprobs(table, K, [2], [SamplingParams(logprobs=1)])
     sample = SampleLogprobs()
     sample.append_row(step, 0)
     snapshot = sample.copy()
