@@ -6,10 +6,20 @@ import os
 import tempfile
 from pathlib import Path
 
-import deepbatch  # noqa: F401  (sets the OpenMP wait policy before torch loads)
-import pytest
-import torch
-from hypothesis import settings
+# In an xdist worker, the worker's share of the cores as torch's intra-op threads, here and in the
+# servers its tests start (they inherit the environment): two workers with two threads each on
+# two cores contend, and the tests' small models run faster on one thread than on two even alone.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
+import deepbatch  # noqa: E402, F401  (sets the OpenMP wait policy before torch loads)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+if "OMP_NUM_THREADS" in os.environ:  # also where torch was imported before this file
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Property-based tests and the schema fuzzers draw the same examples on every run (``ci``, the
 # default): a red run is a real failure, and a rerun reproduces it. Long random fuzzing is opt-in:

@@ -271,7 +271,23 @@ def run_phase(phase: str, args, model: str, max_model_len: int | None, rate: flo
     return out
 
 
+def warm_up(args, model, max_model_len) -> dict:
+    """One plain request to its end, alone, before saturation is measured: a cold server's first
+    steps (allocations, first calls into its kernels) would otherwise fall in the measured window,
+    and on a slow host could fill it. Its prompt is drawn apart from the phases' (no prefix hits)."""
+    async def one() -> dict:
+        async with make_client(args) as client:
+            job = next(iter(Jobs(args, model, max_model_len, math.inf, args.seed + 7919 * args.num_clients,
+                                 mixed=False)))
+            return await send(client, job, time.monotonic(), args.timeout)
+
+    return _run_async(one())
+
+
 def find_saturation(args, model, max_model_len) -> dict:
+    warm = warm_up(args, model, max_model_len)
+    if warm["outcome"] != "completed":
+        print(f"warm-up request: {warm['outcome']} {warm['error']}".rstrip(), flush=True)
     out = run_phase("saturation", args, model, max_model_len)
     warm = args.saturation_s / 4.0
     ends = [t for r in out["results"] for t in r["ends"] if warm <= t <= args.saturation_s]

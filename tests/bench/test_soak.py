@@ -231,7 +231,7 @@ def test_soak_against_the_cpu_server(server, tmp_path, capsys):
     soak.add_arguments(p)
     args = p.parse_args([
         "--url", url, "--api-key", API_KEY, "--server-pid", str(proc.pid), "--find-saturation",
-        "--saturation-s", "3", "--saturation-concurrency", "3", "--duration-s", "10", "--rate", "8",
+        "--saturation-s", "4", "--saturation-concurrency", "3", "--duration-s", "10", "--rate", "8",
         "--num-clients", "2", "--workload", "random", "--random-input-len", "16", "--random-output-len", "6",
         "--vocab-size", "49152", "--hostile-fraction", "0.5", "--disconnect-fraction", "0.25",
         "--non-stream-fraction", "0.1", "--sample-interval-s", "1", "--warmup-s", "2", "--window-s", "4",
