@@ -25,7 +25,7 @@ from apitest_hostile_checks import HOSTILE_SERVER, error_body_problem, live_serv
 from apitest_server import MODEL
 
 SERVERS = {"hostile": HOSTILE_SERVER}
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 25
 MAX_TOKENS = 4
 MAX_N = 2
 ROUTES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
