@@ -59,46 +59,57 @@ class StepLogprobs:
 class SampleLogprobs(Sequence):
     """One sample's per-token logprobs: a sequence of ``{token_id: Logprob}`` (vLLM's
     ``CompletionOutput.logprobs``; indexing, slicing, iteration and ``==`` with a list work as on
-    a list). Positions are rows of step tables until first read, then their dicts."""
+    a list). Positions are rows of step tables until first read, then their dicts.
 
-    __slots__ = ("_entries",)
+    A position costs two list slots (its step, its row) and no object of its own: a request with
+    logprobs adds one position per step, and a tuple per position would be one more object for
+    the garbage collector to walk, for every token of every running request."""
 
-    def __init__(self, entries=()):
-        # Each a built dict, or (StepLogprobs, row) not yet read.
-        self._entries: list = list(entries)
+    __slots__ = ("_steps", "_rows", "_built")
+
+    def __init__(self) -> None:
+        self._steps: list[StepLogprobs | None] = []  # None: appended as a built dict
+        self._rows: list[int] = []
+        self._built: dict[int, dict[int, Logprob]] = {}  # position -> its dict, once built
 
     def append(self, entry: dict[int, Logprob]) -> None:
-        self._entries.append(entry)
+        self._built[len(self._steps)] = entry
+        self._steps.append(None)
+        self._rows.append(-1)
 
     def append_row(self, step: StepLogprobs, row: int) -> None:
-        self._entries.append((step, row))
+        self._steps.append(step)
+        self._rows.append(row)
 
     def copy(self) -> SampleLogprobs:
         """A snapshot: later appends to this one do not show in it (rows are shared, not built)."""
-        return SampleLogprobs(self._entries)
+        out = SampleLogprobs()
+        out._steps, out._rows, out._built = self._steps[:], self._rows[:], dict(self._built)
+        return out
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._steps)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self._entries)))]
-        entry = self._entries[index]
-        if type(entry) is tuple:
-            step, row = entry
-            entry = self._entries[index] = step.entry(row)
+            return [self[i] for i in range(*index.indices(len(self._steps)))]
+        position = range(len(self._steps))[index]  # negative indices, and IndexError past the end
+        entry = self._built.get(position)
+        if entry is None:
+            entry = self._built[position] = self._steps[position].entry(self._rows[position])
         return entry
 
     def __iter__(self):
-        for i in range(len(self._entries)):
+        for i in range(len(self._steps)):
             yield self[i]
 
     def wire(self, start: int) -> list[dict[int, tuple[float, int]]]:
         """Positions ``start:`` as ``{token_id: (logprob, rank)}`` (the engine core's messages)."""
         out = []
-        for entry in self._entries[start:]:
-            if type(entry) is tuple:
-                out.append(entry[0].wire(entry[1]))
+        for position in range(start, len(self._steps)):
+            entry = self._built.get(position)
+            if entry is None:
+                out.append(self._steps[position].wire(self._rows[position]))
             else:
                 out.append({t: (lp.logprob, lp.rank) for t, lp in entry.items()})
         return out
