@@ -266,9 +266,10 @@ class Sampler:
         rows, cols = [], []
         for i, r in enumerate(requests):
             p = r.sampling_params
+            if r.num_output_tokens >= p.min_tokens:
+                continue
             # A row its grammar masked this step has its min_tokens ban in that mask.
-            masked = r.structured_output is not None and r.structured_output.constrains_next_token
-            if r.num_output_tokens < p.min_tokens and not masked:
+            if r.structured_output is None or not r.structured_output.constrains_next_token:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
                 for tok in banned:
                     rows.append(i), cols.append(tok)

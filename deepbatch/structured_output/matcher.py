@@ -33,6 +33,9 @@ class StructuredOutputRequest:
         # and drops those copies, so a matcher made at construction would be wasted.
         self.started = not self.start_after_token_ids
         self.matcher = None
+        # The matcher took a stop token, as of its last ``accept_token``: read from the matcher
+        # once per token taken, not on each of the several checks a step makes per request.
+        self.terminated = False
         self.num_seen = 0  # output tokens taken into account (before the grammar started, too)
         # Where the newest sampled token can be read before it is committed: (PendingSample, row).
         self.last_sample: tuple[object, int] | None = None
@@ -55,11 +58,11 @@ class StructuredOutputRequest:
     @property
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: the output is complete and the request ends."""
-        return self.matcher is not None and self.matcher.is_terminated()
+        return self.matcher is not None and self.terminated
 
     @property
     def constrains_next_token(self) -> bool:
-        return self.matcher is not None and self.error is None and not self.matcher.is_terminated()
+        return self.matcher is not None and self.error is None and not self.terminated
 
     def advance(self, output_token_ids: list[int], num_pending: int = 0) -> str | None:
         """Feed the matcher the output tokens it has not seen, ``output_token_ids`` and then
@@ -97,6 +100,7 @@ class StructuredOutputRequest:
             return
         if not self.matcher.accept_token(token):
             self.error = f"structured outputs: token {token} does not continue the {self.grammar.kind} grammar"
+        self.terminated = self.matcher.is_terminated()
 
     def _read_pending(self) -> int | None:
         if self.last_sample is None:
@@ -111,6 +115,7 @@ class StructuredOutputRequest:
         # The loop in ``advance`` then replays the tokens the request kept.
         self.started = not self.start_after_token_ids
         self.matcher = None
+        self.terminated = False
         self.num_seen = 0
         self.error = None
         self.error_code = None
