@@ -7,8 +7,9 @@ stays healthy under overload, client disconnects and hostile bodies.
 
 Phases:
 1. saturation (``--find-saturation``, or when neither --rate nor --saturation-rate is given):
-   closed-loop clients keep ``--saturation-concurrency`` requests in flight for ``--saturation-s``;
-   completed requests per second after the first quarter is the saturation rate S;
+   one request runs to its end alone (the server warmed up), then closed-loop clients keep
+   ``--saturation-concurrency`` requests in flight for ``--saturation-s``; completed requests per
+   second after the first quarter is the saturation rate S;
 2. soak: Poisson arrivals at --rate (else ``--rate-multiplier`` x S) for --duration-s. Each arrival
    is, by draw, a hostile body, a stream the client closes after a random number of chunks, a
    non-streaming request or a plain stream. The server's /stats gauges, /metrics, and its host RSS

@@ -285,9 +285,9 @@ def warm_up(args, model, max_model_len) -> dict:
 
 
 def find_saturation(args, model, max_model_len) -> dict:
-    warm = warm_up(args, model, max_model_len)
-    if warm["outcome"] != "completed":
-        print(f"warm-up request: {warm['outcome']} {warm['error']}".rstrip(), flush=True)
+    first = warm_up(args, model, max_model_len)
+    if first["outcome"] != "completed":
+        print(f"warm-up request: {first['outcome']} {first['error']}".rstrip(), flush=True)
     out = run_phase("saturation", args, model, max_model_len)
     warm = args.saturation_s / 4.0
     ends = [t for r in out["results"] for t in r["ends"] if warm <= t <= args.saturation_s]
