@@ -50,6 +50,10 @@ class StructuredOutputRequest:
                       f"grammar after {self.num_seen} output tokens; the output cannot be completed")
         self.error_code = "invalid_grammar"
 
+    def _start_matcher(self) -> None:
+        self.matcher = self._new_matcher()
+        self.terminated = False
+
     def _new_matcher(self):
         from deepbatch.structured_output.grammar import import_xgrammar
 
@@ -74,7 +78,7 @@ class StructuredOutputRequest:
             if num_known + num_pending < self.num_seen:
                 self._restart()
             if self.started and self.matcher is None:
-                self.matcher = self._new_matcher()
+                self._start_matcher()
             while self.error is None and self.num_seen < num_known + num_pending:
                 if self.is_terminated:
                     break  # the request ends here; a token computed a step late is dropped
@@ -96,7 +100,7 @@ class StructuredOutputRequest:
             window = output_token_ids[max(0, self.num_seen - k + 1) : self.num_seen] + [token]
             if tuple(window) == self.start_after_token_ids:
                 self.started = True
-                self.matcher = self._new_matcher()
+                self._start_matcher()
             return
         if not self.matcher.accept_token(token):
             self.error = f"structured outputs: token {token} does not continue the {self.grammar.kind} grammar"
