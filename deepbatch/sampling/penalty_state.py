@@ -43,9 +43,8 @@ class PenaltyState:
         # request id -> (slot, the request): a slot is only valid for the request that filled it.
         self._slots: dict[str, tuple[int, Request]] = {}
         self._free: list[int] = []
-        # The last (rows, slots) copied to the device, reused by ``record`` for the same batch.
-        self._index: tuple[tuple[list[int], list[int]], torch.Tensor] | None = None
-        # The last batch ``apply`` saw: its rows, their slots and penalty values on the device.
+        # The last batch ``apply`` saw: its rows, their slots, both on the device (``[2, P]``: rows,
+        # then slots; ``record`` reuses it for the same batch) and the penalty values.
         self._batch = BatchMemo()
 
     @property
@@ -78,9 +77,8 @@ class PenaltyState:
             values = self._to_device([[requests[i].sampling_params.repetition_penalty for i in rows],
                                       [requests[i].sampling_params.frequency_penalty for i in rows],
                                       [requests[i].sampling_params.presence_penalty for i in rows]], torch.float32)
-            batch = self._batch.put(requests, (rows, slots, values))
-        rows, slots, values = batch
-        index = self._device_index(rows, slots)
+            batch = self._batch.put(requests, (rows, self._to_device([rows, slots], torch.long), values))
+        rows, index, values = batch
         rep, freq, pres = values
         whole = len(rows) == logits.shape[0]
         if kernel and logits.dtype == torch.float32 and logits.stride(1) == 1:
@@ -98,16 +96,16 @@ class PenaltyState:
             return
         batch = None if skip else self._batch.get(requests)
         if batch is not None:
-            rows, slots, _ = batch  # the batch ``apply`` filled: every row has its slot
+            rows, index, _ = batch  # the batch ``apply`` filled: every row has its slot
         else:
             rows, slots = [], []
             for i, r in enumerate(requests):
                 entry = self._slots.get(r.request_id)
                 if entry is not None and entry[1] is r and not (skip and i in skip):
                     rows.append(i), slots.append(entry[0])
-        if not rows:
-            return
-        index = self._device_index(rows, slots)
+            if not rows:
+                return
+            index = self._to_device([rows, slots], torch.long)
         tokens = sampled.to(torch.long).index_select(0, index[0])
         ones = torch.ones(len(rows), dtype=self.output_counts.dtype, device=self.device)
         self.output_counts.index_put_((index[1], tokens), ones, accumulate=True)
@@ -161,14 +159,6 @@ class PenaltyState:
         return old
 
     # -- host -> device --------------------------------------------------------------------
-
-    def _device_index(self, rows: list[int], slots: list[int]) -> torch.Tensor:
-        """``[2, P]``: batch rows, then their slots; the batch's ``apply`` and ``record`` share
-        one copy."""
-        key = (rows, slots)
-        if self._index is None or self._index[0] != key:
-            self._index = (key, self._to_device([rows, slots], torch.long))
-        return self._index[1]
 
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> torch.Tensor:
         return table_to_device(rows, dtype, self.device)
