@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from deepbatch import envs
 from deepbatch.core.sampling_params import (
     DEFAULT_MAX_WHITESPACE_CNT, SamplingParamsError, StructuredOutputsParams,
 )
@@ -22,8 +23,8 @@ SCHEMA = SCHEMAS["nested_object"]
 
 @pytest.fixture(scope="module")
 def grammars():
-    source = resolve_model(None)
-    return GrammarCache(load_tokenizer(source), load_hf_config(source).vocab_size, [])
+    source, cache = resolve_model(None), envs.DEEPBATCH_CACHE_DIR  # the run's converted GGUF metadata
+    return GrammarCache(load_tokenizer(source, None, cache), load_hf_config(source, cache).vocab_size, [])
 
 
 def accepts(grammars, spec: StructuredOutputsParams, text: str) -> bool:
