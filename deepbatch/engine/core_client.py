@@ -43,7 +43,7 @@ import zmq.asyncio
 from deepbatch.config import EngineConfig
 from deepbatch.core.errors import EngineDeadError
 from deepbatch.engine.core_messages import (
-    Abort, AddRequest, Dead, Ready, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
+    Abort, AddRequest, Dead, Ready, SetStepDelay, Shutdown, StepOutputs, decode_core_message, encode, wire_params,
 )
 from deepbatch.engine.core_process import CoreAddresses, run_engine_core, set_process_title
 from deepbatch.engine.engine_client import CheckedPrompt, EngineClient
@@ -110,10 +110,11 @@ class EngineCoreClient(EngineClient):
     def __init__(self, config: EngineConfig, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None, tokenizer_threads: int = 2,
                  fault_inject_step: int | None = None, ready_timeout: float | None = None,
-                 seat: CoreSeat | None = None):
+                 seat: CoreSeat | None = None, spawn: bool = False, process_title: bool = True):
         """Start the core process (or, given a ``seat``, join the launcher's) and wait until its
         engine is ready (the model loaded, the KV cache allocated); raises RuntimeError if it
-        fails to start."""
+        fails to start. ``spawn``: never fork the core (a host process with threads of its own,
+        such as a Ray worker); ``process_title``: name this process ``deepbatch::APIServer``."""
         if seat is None:
             self._dir = tempfile.mkdtemp(prefix="deepbatch-core-")
             addresses, index = CoreAddresses.in_dir(self._dir), 0
@@ -123,8 +124,9 @@ class EngineCoreClient(EngineClient):
         self._ctx = zmq.Context()
         self._inputs, outputs = bind_client_sockets(self._ctx, addresses, index)
         if seat is None:
-            self._core: _OwnCore | _SharedCore = start_core(config, addresses, fault_inject_step)
-            set_process_title("deepbatch::APIServer")
+            self._core: _OwnCore | _SharedCore = start_core(config, addresses, fault_inject_step, spawn)
+            if process_title:
+                set_process_title("deepbatch::APIServer")
             # multiprocessing joins a non-daemon child at exit (the core cannot be a daemon: it
             # starts the tensor-parallel workers); an API process that exits without a shutdown
             # stops it first.
@@ -255,6 +257,10 @@ class EngineCoreClient(EngineClient):
     def abort(self, request_id: str) -> None:
         if self._dead is None and not self._stopped:
             self._send(Abort([request_id]))
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Testing only: the core sleeps ``seconds`` before every model step from now on."""
+        self._send(SetStepDelay(seconds))
 
     def _send(self, message) -> None:
         with self._send_lock:

@@ -66,7 +66,14 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop after the step in progress; every request still held ends with an error."""
 
 
-ClientMessage = AddRequest | Abort | FinishSample | Shutdown
+class SetStepDelay(msgspec.Struct, tag=True, array_like=True):
+    """Testing only: sleep ``seconds`` before every model step from now on (0: never), to make a
+    live engine slow on purpose (a canary that breaks its latency objective)."""
+
+    seconds: float
+
+
+ClientMessage = AddRequest | Abort | FinishSample | Shutdown | SetStepDelay
 
 # -- engine core -> API process -----------------------------------------------------------------
 

@@ -45,8 +45,8 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.errors import InvalidRequestError
 from deepbatch.core.request import Request
 from deepbatch.engine.core_messages import (
-    SNAPSHOT_INTERVAL_S, Abort, AddRequest, Dead, FinishSample, OutputDelta, Ready, Shutdown, StepOutputs,
-    decode_client_message, encode,
+    SNAPSHOT_INTERVAL_S, Abort, AddRequest, Dead, FinishSample, OutputDelta, Ready, SetStepDelay, Shutdown,
+    StepOutputs, decode_client_message, encode,
 )
 from deepbatch.engine.core_deltas import OutputDeltas, refusal
 from deepbatch.engine.snapshot import EngineSnapshot, cache_config_info, take_snapshot, waiting_tokens
@@ -197,6 +197,7 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._fault_inject_step = fault_inject_step
         self._num_step_calls = 0
+        self.step_delay_s = 0.0  # testing only (SetStepDelay)
         self._deltas = OutputDeltas()
         # Sequences and prompt tokens of every AddRequest applied so far, per API process.
         self._applied = [[0, 0] for _ in self.outputs]
@@ -258,6 +259,8 @@ class EngineCore:
                 self.inbox.put(_Refused(message.request_id, e, n, n * len(message.prompt_token_ids), client))
                 return False
             self.inbox.put(_Added(requests, client))
+        elif isinstance(message, SetStepDelay):
+            self.step_delay_s = max(0.0, message.seconds)  # one attribute: the loop reads it each step
         elif isinstance(message, (Abort, FinishSample)) and len(self.outputs) > 1:
             self.inbox.put(_FromClient(message, client))
         else:
@@ -288,6 +291,8 @@ class EngineCore:
                 self._num_step_calls += 1
                 if self._num_step_calls == self._fault_inject_step:
                     raise RuntimeError(f"injected fault at engine step {self._num_step_calls}")
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
                 steps_before = engine.stats.num_steps
                 progressed = engine.step_requests()
                 idle = engine.stats.num_steps == steps_before and not progressed

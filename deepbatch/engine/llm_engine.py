@@ -165,7 +165,8 @@ class LLMEngine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, **kwargs)
         except Exception as e:  # template errors are the caller's input errors
             raise InvalidRequestError("messages", f"chat template failed: {e}") from e
         return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -248,7 +249,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise InvalidRequestError("prompt", f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError("prompt", "a prompt is a string, a list of token ids or a dict, "
+                                            f"got {type(prompt).__name__}")
 
     def add_request(self, request_id, prompt, params: SamplingParams, priority: int = 0, tenant: str = "default",
                     arrival_time: float | None = None) -> str:

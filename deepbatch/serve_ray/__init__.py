@@ -7,7 +7,7 @@ release of engine flags with SLO rollback.
                 route through the arm's DeploymentHandle (PrefixAwareRouter picks the replica),
                 retry on stable what failed before streaming, record per-arm samples
               RolloutController: sliding-window SLO watch, promotion steps, rollback
-           -> EngineReplica (one AsyncEngine each; deployments "stable" and "canary")
+           -> EngineReplica (one engine core each; deployments "stable" and "canary")
 
 Nothing outside this package imports it, and nothing in it is imported by the engine or the
 single-process server: ``ray`` is an optional extra. ``rollout_spec``, ``rollout`` and

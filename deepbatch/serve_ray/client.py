@@ -1,4 +1,4 @@
-"""``RoutedEngineClient``: the ``AsyncEngine`` surface ``OpenAIServing`` uses, in front of the engine
+"""``RoutedEngineClient``: the ``EngineClient`` surface ``OpenAIServing`` uses, in front of the engine
 replicas, so the ingress answers exactly as the single-process server does.
 
     add_requests:  tokenize (the ingress holds the tokenizer, not the weights) -> pick the arm
@@ -147,7 +147,7 @@ class RoutedEngineClient:
 
     async def add_requests(self, prompts: list[tuple[str, object]], params: SamplingParams, *, priority: int = 0,
                            tenant: str = "default", arrival_time: float | None = None) -> list[RequestStream]:
-        """Like ``AsyncEngine.add_requests``: every prompt accepted by a replica, or none queued
+        """Like ``EngineClient.add_requests``: every prompt accepted by a replica, or none queued
         and the first refusal raised."""
         self._ids.reserve([request_id for request_id, _ in prompts], params.n)
         loop = asyncio.get_running_loop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepbatch.engine.admission import QueueFullError
-from deepbatch.engine.async_engine import EngineDrainingError
+from deepbatch.engine.engine_client import EngineDrainingError
 from deepbatch.core.errors import EngineDeadError, InvalidRequestError
 from deepbatch.core.sampling_params import SamplingParams
 

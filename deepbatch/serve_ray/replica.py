@@ -1,5 +1,10 @@
-"""One engine per Serve replica: an ``AsyncEngine`` built from ``deepbatch serve``'s engine flags,
-streaming the outputs of each ``EngineCall`` back to the ingress.
+"""One engine per Serve replica, built from ``deepbatch serve``'s engine flags, streaming the
+outputs of each ``EngineCall`` back to the ingress.
+
+The replica is an API process of its own engine core, as ``deepbatch serve`` is
+(``engine/core_client.py``): the core steps the model in a child process, so the replica's event
+loop (Ray's calls, tokenization, detokenization, streaming) never shares an interpreter lock with
+the steps. The core is spawned, not forked: a Ray worker runs threads of its own.
 
 An engine that dies fails the replica's health check, so Serve replaces the replica; a request
 in flight on it ends with the engine's error, which the ingress retries elsewhere if nothing
@@ -10,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -18,7 +22,7 @@ from ray import serve
 
 from deepbatch import envs
 from deepbatch.api.metrics import engine_stats
-from deepbatch.engine.async_engine import AsyncEngine
+from deepbatch.engine.core_client import EngineCoreClient
 from deepbatch.engine_args import engine_config_from_args
 from deepbatch.serve_ray.args import engine_namespace
 from deepbatch.serve_ray.protocol import REFUSED, Accepted, EngineCall, Refusal
@@ -37,18 +41,17 @@ class EngineReplica:
 
         args = engine_namespace(engine_args)
         torch.manual_seed(args.seed)
-        self.engine = AsyncEngine.from_config(
+        self.engine = EngineCoreClient(
             engine_config_from_args(args), max_queued_requests=args.max_queued_requests or None,
             max_queued_tokens=args.max_queued_tokens or None, tokenizer_threads=envs.DEEPBATCH_TOKENIZER_THREADS,
-            fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP)
+            fault_inject_step=envs.DEEPBATCH_FAULT_INJECT_STEP, spawn=True, process_title=False)
         self.arm = arm
         self.set_faults(fault_inject_step_delay_s, fault_inject_fail_every)
-        # Observers run on the engine thread after every step that made progress.
-        self.engine.add_observer(self._delay_step)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.actor_name = ray.get_runtime_context().get_actor_name()
         self.num_requests = 0
+        # Serve runs the constructor on the replica's event loop, where the client reads the core.
         self.engine.start()
         logger.info("engine replica %s (%s arm) ready: %s", self.replica_id, arm, self.engine.model_name)
 
@@ -85,10 +88,7 @@ class EngineReplica:
         self.fault_inject_step_delay_s = step_delay_s
         self.fault_inject_fail_every = fail_every
         self.num_calls = 0
-
-    def _delay_step(self, outputs) -> None:
-        if self.fault_inject_step_delay_s:
-            time.sleep(self.fault_inject_step_delay_s)
+        self.engine.set_step_delay(step_delay_s)  # the core sleeps before each step
 
     def stats(self) -> dict:
         """The engine's ``/stats`` plus who this replica is and what it has served."""

@@ -15,7 +15,7 @@ from deepbatch import SamplingParams
 from deepbatch.core.errors import InvalidRequestError
 from deepbatch.engine.output_assembler import OutputAssembler, refusal_error
 from deepbatch.engine.core_messages import (
-    Abort, FinishSample, Shutdown, StepOutputs, decode_client_message, decode_core_message, encode,
+    Abort, FinishSample, SetStepDelay, Shutdown, StepOutputs, decode_client_message, decode_core_message, encode,
 )
 from deepbatch.engine.core_process import EngineCore, _Added, _Refused
 
@@ -38,15 +38,21 @@ def as_core(engine):
         engine.outputs.detokenizer = detokenizer
 
 
-def run_core(engine, commands_before, commands_after_first=()) -> tuple[dict, list[StepOutputs]]:
-    """Run an EngineCore on ``engine`` in a thread until every request has finished; returns the
-    rebuilt final outputs by request id, and every message."""
+def run_core(engine, commands_before, commands_after_first=(), core: EngineCore | None = None
+             ) -> tuple[dict, list[StepOutputs]]:
+    """Run an EngineCore on ``engine`` (or ``core``, given its outputs socket here) in a thread
+    until every request has finished; returns the rebuilt final outputs by request id, and every
+    message."""
     ctx = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
-    core = EngineCore(engine, push)
+    if core is None:
+        core = EngineCore(engine, push)
+    else:
+        core.outputs[0].close(0)
+        core.outputs = [push]
     assembler = OutputAssembler(engine.tokenizer)
     open_ids = set()
     for cmd in commands_before:
@@ -143,6 +149,21 @@ def test_an_abort_a_refusal_and_the_queue_counts(smollm_llm):
     assert messages[-1].applied_tokens == len(long.requests[0].prompt_token_ids) + len(
         short.requests[0].prompt_token_ids) + 10
     assert messages[-1].num_waiting == 0 and messages[-1].snapshot is not None
+
+
+def test_a_step_delay_slows_every_step_from_the_message_on(smollm_llm):
+    """``SetStepDelay`` (a canary broken on purpose): read by the input thread, slept before each
+    step by the loop; every step's span then covers the delay (a sleep's lower bound)."""
+    engine = smollm_llm.engine
+    add = _Added(engine.make_requests("slow", "Hello", SamplingParams(max_tokens=3, ignore_eos=True)))
+    core = EngineCore(engine, zmq.Context.instance().socket(zmq.PUSH))
+    assert not core._take(decode_client_message(encode(SetStepDelay(0.25))), 0)
+    assert core.step_delay_s == 0.25
+    with as_core(engine):
+        finals, messages = run_core(engine, [add], core=core)
+    assert len(finals["slow"].outputs[0].token_ids) == 3
+    stepped = [m for m in messages if m.outputs]
+    assert len(stepped) >= 3 and all(m.end - m.start >= 0.25 for m in stepped)
 
 
 def test_a_stop_string_ends_the_sample_at_its_token_on_the_api_side(smollm_llm):
