@@ -294,7 +294,7 @@ class EngineCoreClient(EngineClient):
             self._end(EngineDeadError(f"lost the engine core: {type(e).__name__}: {e}"))
 
     def _on_step(self, message: StepOutputs) -> None:
-        self._num_waiting, self._num_waiting_tokens = message.num_waiting, message.num_waiting_tokens
+        self._num_waiting, self._num_waiting_tokens = message.waiting_after
         self._applied_seqs, self._applied_tokens = message.applied_seqs, message.applied_tokens
         self._bounds.observe(message.start, message.end, message.backlog, message.waiting_before,
                              message.waiting_after)

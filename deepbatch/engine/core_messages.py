@@ -126,12 +126,11 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     process checks its queue bounds against it)."""
 
     outputs: list[OutputDelta]
-    num_waiting: int
-    num_waiting_tokens: int
     applied_seqs: int  # sequences and prompt tokens of every AddRequest applied so far
     applied_tokens: int
     # For the queue's drain rate (QueueBounds.observe): the iteration's span, whether requests
-    # waited when it began, and the waiting (sequences, tokens) around its step.
+    # waited when it began, and the waiting (sequences, tokens) around its step; ``waiting_after``
+    # is also the queue the API process checks its bounds against.
     start: float
     end: float
     backlog: bool
@@ -144,7 +143,6 @@ class Dead(msgspec.Struct, tag=True, array_like=True):
     """The engine failed (a model step raised, a rank died) or was stopped; the core exits."""
 
     message: str
-    stopped: bool = False  # shut down on request, not failed
 
 
 CoreMessage = Ready | StepOutputs | Dead

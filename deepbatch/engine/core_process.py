@@ -144,7 +144,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses, fault_inject
         out_ctx.term()  # waits until Dead is delivered (or 2 s)
         os._exit(1)  # the input thread may sit in a socket call; nothing else needs to run
     _stop_engine(engine)
-    _send_quietly(outputs, Dead("the engine was shut down", stopped=True))
+    _send_quietly(outputs, Dead("the engine was shut down"))
     for socket in outputs:
         socket.close(linger=2000)
     out_ctx.term()
@@ -309,7 +309,7 @@ class EngineCore:
             for client, client_deltas in self._route(deltas):
                 applied = self._applied[client]
                 self.outputs[client].send(encode(StepOutputs(
-                    client_deltas, waiting_after[0], waiting_after[1], applied[0], applied[1],
+                    client_deltas, applied[0], applied[1],
                     start, end, backlog, waiting_before, waiting_after, snapshot)), copy=False)
             busy_since = end if has_work else None
             # Nothing could be scheduled (waiting on KV blocks that no step will free): wait a

@@ -45,7 +45,8 @@ class Policy:
 
     def admissible(self, request: Request, now: float) -> bool:
         cfg = self.config
-        if cfg.tenant_max_running is not None and self.running_per_tenant.get(request.tenant, 0) >= cfg.tenant_max_running:
+        running = self.running_per_tenant.get(request.tenant, 0)
+        if cfg.tenant_max_running is not None and running >= cfg.tenant_max_running:
             return False
         if cfg.tenant_max_tokens_per_minute is not None:
             if self.tokens_last_minute(request.tenant, now) >= cfg.tenant_max_tokens_per_minute:

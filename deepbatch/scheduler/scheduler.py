@@ -165,10 +165,7 @@ class Scheduler:
                     break
                 if by_rank and victim is not request and self._tokens_to_run(victim) == 1:
                     decodes_left -= 1  # a decode behind this one that will not run now
-                self.running.pop()
-                self.policy.on_released(victim)
-                self._preempt(victim, out)
-                out.preempted.append(victim)
+                self._preempt_last(out)
                 if victim is request:
                     break
             else:
@@ -296,10 +293,7 @@ class Scheduler:
             blocks_short = self.kv_cache.blocks_needed(first_chunk) > self.kv_cache.pool.num_free_blocks
             if not (seats_full or blocks_short):
                 return
-            self.running.pop()
-            policy.on_released(last)
-            self._preempt(last, out)
-            out.preempted.append(last)
+            self._preempt_last(out)
 
     def advance(self, out: SchedulerOutput, pending: bool = True) -> None:
         """Count the step's tokens as computed once the step is launched. With ``pending``, a
@@ -329,8 +323,12 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ERROR)
         out.finished.append(request)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt_last(self, out: SchedulerOutput) -> None:
+        """The running request that sorts last gives way (by swap or by recompute)."""
+        request = self.running.pop()
+        self.policy.on_released(request)
         self.preemptor.preempt(request, out.blocks_to_swap_out)
+        out.preempted.append(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -148,7 +148,7 @@ def test_an_abort_a_refusal_and_the_queue_counts(smollm_llm):
     assert messages[-1].applied_seqs == 1 + 1 + 2
     assert messages[-1].applied_tokens == len(long.requests[0].prompt_token_ids) + len(
         short.requests[0].prompt_token_ids) + 10
-    assert messages[-1].num_waiting == 0 and messages[-1].snapshot is not None
+    assert messages[-1].waiting_after == (0, 0) and messages[-1].snapshot is not None
 
 
 def test_a_step_delay_slows_every_step_from_the_message_on(smollm_llm):
