@@ -109,8 +109,8 @@ class ModelConfig:
     random_weights: bool = arg(False, "build the model with seeded random weights instead of loading them "
                                       "(benchmarks; a bare config.json always does)")
     tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
-    cache_dir: str | None = internal(None, "where the config, tokenizer and dequantized weights of a GGUF file are cached "
-                                           "(None: no cache)", env="DEEPBATCH_CACHE_DIR")
+    cache_dir: str | None = internal(None, "where the config, tokenizer and dequantized weights of a GGUF file are "
+                                           "cached (None: no cache)", env="DEEPBATCH_CACHE_DIR")
     quantization: str | None = arg(
         None, "weight format: fp8 quantizes a 16-bit checkpoint to FP8 per channel while loading; a quantized "
               "checkpoint's format is read from its config.json (naming it here only checks it)",
@@ -249,6 +249,65 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` as vLLM spells it (a JSON object; a dict for ``LLM(...)``).
+
+    ``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens in its own prompt and output, for the largest n in
+    [prompt_lookup_min, prompt_lookup_max] that occurs; no extra weights."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # No speculation in a step that runs more than this many requests (None: never turned off).
+    disable_by_batch_size: int | None = None
+
+    METHODS = ("ngram",)
+
+    def __post_init__(self) -> None:
+        if self.method not in self.METHODS:
+            planned = " (not available yet)" if self.method in ("mtp", "draft_model", "eagle") else ""
+            raise ValueError(f"speculative_config: method {self.method!r}{planned}; choose one of "
+                             f"{', '.join(self.METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a JSON string (the command line), a dict (``LLM(...)``), an instance or None; a
+        clear ValueError for anything else, an unknown key included."""
+        import json
+
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        for key, v in value.items():
+            want = (str,) if key == "method" else (int, type(None)) if key == "disable_by_batch_size" else (int,)
+            if not isinstance(v, want) or isinstance(v, bool):
+                raise ValueError(f"speculative_config: {key} must be {' or '.join(t.__name__ for t in want)}, "
+                                 f"got {v!r}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -265,6 +324,10 @@ class EngineConfig:
                                               "(default: on for CUDA with one rank; tensor parallelism takes it "
                                               "when asked)")
     parallel: ParallelConfig = ParallelConfig()
+    speculative_config: SpeculativeConfig | None = arg(
+        None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": null}",
+        type=SpeculativeConfig.parse)
     # Shows that a fault inside one request's sampling ends that request alone.
     fault_inject_sample_request: str | None = internal(
         None, "testing only: the sampler raises for the request (or parent request) with this id",
@@ -276,6 +339,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None:
+            # Verification needs each step's tokens on the host before the next step's drafts, and
+            # the tensor-parallel step messages carry no drafts.
+            if self.async_scheduling:
+                raise ValueError("speculative_config: speculative decoding runs without async_scheduling")
+            if self.parallel.tensor_parallel_size > 1:
+                raise ValueError("speculative_config: not available with tensor_parallel_size > 1 yet")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
 

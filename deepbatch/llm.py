@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from deepbatch import envs
-from deepbatch.config import EngineConfig
+from deepbatch.config import EngineConfig, SpeculativeConfig
 from deepbatch.engine_args import engine_config, llm_docstring
 from deepbatch.engine.llm_engine import LLMEngine
 from deepbatch.core.outputs import RequestOutput
@@ -68,6 +68,7 @@ class LLM:
         preemption_mode: str = "auto",
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
+        speculative_config: dict | str | SpeculativeConfig | None = None,
     ):
         """Load the model and start the engine.
 

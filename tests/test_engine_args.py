@@ -21,7 +21,7 @@ import deepbatch.llm
 from deepbatch import engine_args
 from deepbatch.cli import build_parser
 from deepbatch.engine_args import engine_config_from_args
-from deepbatch.config import default_device
+from deepbatch.config import SpeculativeConfig, default_device
 from deepbatch.engine_args import engine_config, flags_markdown, llm_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +68,10 @@ CASES = {
     "async_scheduling": (False, ("async_scheduling",)),
     "tensor_parallel_size": (2, ("parallel", "tensor_parallel_size")),
     "distributed_timeout_s": (7.0, ("parallel", "distributed_timeout_s")),
+    "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 4}', ("speculative_config",)),
 }
-STORED = {"dtype": torch.float16}  # what a value becomes in the config where it is not itself
+# What a value becomes in the config where it is not itself.
+STORED = {"dtype": torch.float16, "speculative_config": SpeculativeConfig(num_speculative_tokens=4)}
 INTERNAL = ("cache_dir", "cpu_kv_cache_bytes", "fault_inject_sample_request")
 
 

@@ -121,6 +121,16 @@ class _EngineCollector:
                         snap.swap_blocks_total)
             yield gauge("deepbatch:swap_space_free_blocks", "Free KV blocks in the host swap space.",
                         snap.swap_free_blocks)
+        if snap.spec_decode is not None:
+            drafts, draft_tokens, accepted, per_position = snap.spec_decode
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", accepted)
+            by_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                              "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for j, n in enumerate(per_position):
+                by_position.add_metric([self.model_name, str(j)], n)
+            yield by_position
         alloc = snap.allocator
         if alloc is not None:  # only where this process uses CUDA
             yield gauge("deepbatch:gpu_memory_reserved_bytes", "Device memory the caching allocator holds.",

@@ -76,6 +76,9 @@ class Request:
     error_code: str | None = None
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # 0 or 1: a sampled token counted but not yet in the id lists
+    # Speculative decoding: the tokens drafted for the next step (``spec_decode/``), run after the
+    # newest token and verified by the sampler; never part of the id lists until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Per-token logprobs (CompletionOutput's shape): {token_id: Logprob}, the sampled token first;
     # kept as rows of the steps' tables until read (``core/logprobs.py``).
     logprobs: SampleLogprobs | None = None

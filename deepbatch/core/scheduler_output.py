@@ -16,10 +16,15 @@ class ScheduledRequest:
     # True when this chunk reaches the request's newest token, so a token is sampled. Fixed
     # when scheduled: the request's counters move on before the step's tokens are committed.
     samples: bool = field(init=False)
+    # Drafted tokens run after the newest one (speculative decoding): ``request.spec_token_ids``,
+    # all of them, counted in ``num_new_tokens``.
+    num_spec_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        past_newest = r.num_computed_tokens + self.num_new_tokens - r.num_tokens
+        self.samples = past_newest >= 0
+        self.num_spec_tokens = max(past_newest, 0)
 
 
 @dataclass

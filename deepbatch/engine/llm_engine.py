@@ -101,8 +101,15 @@ class LLMEngine:
                                        release=self.runner.forget, detokenize=detokenize,
                                        fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
+        # Speculative decoding drafts from the committed tokens, so its steps are synchronous.
+        self.proposer = None
+        if config.speculative_config is not None:
+            from deepbatch.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(config.speculative_config, self.max_model_len)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
+                                 else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda"
+                                 and self.proposer is None)
         # Launched, not committed: the step, its sampled tokens, when it was scheduled.
         self._inflight: tuple[SchedulerOutput, PendingSample, float] | None = None
         logger.info(
@@ -321,6 +328,8 @@ class LLMEngine:
 
     def _schedule_and_launch(self, result: StepResult) -> tuple[SchedulerOutput, PendingSample | None, float]:
         started = time.monotonic()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         for r in out.finished:  # ended by the scheduler: can never fit in the KV cache
             self.outputs.on_finished(r)

@@ -9,6 +9,9 @@ For each token a step sampled, in this order::
     logprobs            the sampled token's and the top ones, if asked; prompt logprobs as
                         each prefill chunk runs
 
+A request that ran drafts (speculative decoding) has a list of tokens for the step: its accepted
+drafts and one more, taken one by one until one ends it.
+
 A request that ends here is removed from the scheduler (its blocks freed at once) and its
 per-request state released. Outputs are built per parent request (``n`` samples share one).
 The scheduler never decides that a request is done, except when it can never fit in the KV
@@ -37,6 +40,12 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): requests-steps that ran drafts, the
+    # drafts, the accepted ones, and how often draft j was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -100,9 +109,10 @@ class OutputProcessor:
 
     # -- a step's tokens ----------------------------------------------------------------------
 
-    def process(self, sampled: list[Request], token_ids: list[int], logprobs, errors: dict[int, str] | None,
-                now: float, result: StepResult) -> None:
-        """Take one step's sampled tokens (row ``i`` belongs to ``sampled[i]``)."""
+    def process(self, sampled: list[Request], token_ids: list[int | list[int]], logprobs,
+                errors: dict[int, str] | None, now: float, result: StepResult) -> None:
+        """Take one step's sampled tokens (row ``i`` belongs to ``sampled[i]``; a list where the
+        request ran drafts: the accepted ones and the token after them)."""
         errors = errors or {}
         for i, (r, token) in enumerate(zip(sampled, token_ids)):
             if r.is_finished:
@@ -111,23 +121,49 @@ class OutputProcessor:
             if i in errors:
                 self.fail(r, errors[i])
                 continue
-            self.stats.num_generation_tokens += 1
-            if r.num_pending_tokens:
-                r.commit_pending_token(token)
-            else:  # a synchronous step: the token was not counted yet
-                r.append_output_token(token)
-            if r.first_token_time is None:
-                r.first_token_time = now
-                result.first_token.append(r)
-            r.last_token_time = now
-            if logprobs is not None and r.logprobs is not None:
-                r.logprobs.append_row(logprobs, i)
-            status = self._stop_status(r, token)
-            if status is None or r.is_finished:  # r.is_finished: it failed in _stop_status
-                continue
-            self.scheduler.finish_request(r.request_id, status)
-            self.on_finished(r)
-            result.done.append(r)
+            if type(token) is list:
+                self._take_verified(r, token, now, result)
+            else:
+                self._take(r, token, i, logprobs, now, result)
+
+    def _take_verified(self, r: Request, tokens: list[int], now: float, result: StepResult) -> None:
+        """A drafting request's tokens, in order until one ends it. Its drafts' KV was written
+        for every draft; only the accepted ones count as computed (the next step overwrites the
+        rest), so the newest token is again the one left to run."""
+        stats, num_drafts, accepted = self.stats, len(r.spec_token_ids), len(tokens) - 1
+        stats.spec_num_drafts += 1
+        stats.spec_num_draft_tokens += num_drafts
+        stats.spec_num_accepted_tokens += accepted
+        per_position = stats.spec_accepted_per_position
+        per_position.extend([0] * (accepted - len(per_position)))
+        for j in range(accepted):
+            per_position[j] += 1
+        r.spec_token_ids = []
+        for token in tokens:
+            self._take(r, token, -1, None, now, result)
+            if r.is_finished:
+                return
+        r.num_computed_tokens = r.num_tokens - 1
+
+    def _take(self, r: Request, token: int, i: int, logprobs, now: float, result: StepResult) -> None:
+        """One token of ``r`` (``i``: its row of ``logprobs``)."""
+        self.stats.num_generation_tokens += 1
+        if r.num_pending_tokens:
+            r.commit_pending_token(token)
+        else:  # a synchronous step: the token was not counted yet
+            r.append_output_token(token)
+        if r.first_token_time is None:
+            r.first_token_time = now
+            result.first_token.append(r)
+        r.last_token_time = now
+        if logprobs is not None and r.logprobs is not None:
+            r.logprobs.append_row(logprobs, i)
+        status = self._stop_status(r, token)
+        if status is None or r.is_finished:  # r.is_finished: it failed in _stop_status
+            return
+        self.scheduler.finish_request(r.request_id, status)
+        self.on_finished(r)
+        result.done.append(r)
 
     def record_prompt_logprobs(self, prompt_logprobs) -> None:
         """A step's prompt logprobs (``SamplerOutput.prompt_logprobs``), from chunks that need

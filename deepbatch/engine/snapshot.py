@@ -47,6 +47,8 @@ class EngineSnapshot:
     swap_free_blocks: int = 0
     # The GPU caching allocator (None without CUDA), refreshed with kv_stats.
     allocator: AllocatorView | None = None
+    # Speculative decoding (EngineStats' spec_* counters); None when it is off.
+    spec_decode: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 def take_snapshot(engine, previous: EngineSnapshot, refresh: bool = False) -> EngineSnapshot:
@@ -71,6 +73,8 @@ def take_snapshot(engine, previous: EngineSnapshot, refresh: bool = False) -> En
         num_preemptions=scheduler.num_preemptions, num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generation_tokens, num_steps=stats.num_steps,
         controller=getattr(getattr(engine, "controller", None), "report", None),
+        spec_decode=(stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+                     tuple(stats.spec_accepted_per_position)) if getattr(engine, "proposer", None) else None,
     )
 
 

@@ -6,9 +6,9 @@ token for standard attention, plus their per-token scales for an int8 cache; one
 for MLA, plus its two per-token scales for an fp8 or int8 cache) or, storing only the model dtype,
 ``cache_shapes()``; the runner allocates ``[num_blocks, block_size, *shape]`` for each, so every
 layer shares the one block pool. The cache's dtype (``CacheConfig.kv_cache_dtype``) is the
-runner's choice, not the model's. It sizes the pool with ``profile_num_blocks`` and returns the number; nothing is written back
-into the config. With a swap space it also owns the host KV pool (``runner/kv_swap.py``) and
-performs the step's swap copies before the forward.
+runner's choice, not the model's. It sizes the pool with ``profile_num_blocks`` and returns the
+number; nothing is written back into the config. With a swap space it also owns the host KV
+pool (``runner/kv_swap.py``) and performs the step's swap copies before the forward.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class ModelRunner:
         all_specs = self._cache_specs if cache_dtype is None else [self._layer_cache_specs(a, cache_dtype)
                                                                     for a in self.attn_layers]
         return [
-            [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device) for shape, dtype in specs]
+            [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device)
+             for shape, dtype in specs]
             for specs in all_specs
         ]
 
@@ -133,7 +134,8 @@ class ModelRunner:
     def _profile_cuda(self, per_block: int) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_num_seqs * self.max_model_len)
+        scheduler = self.config.scheduler
+        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_num_seqs * self.max_model_len)
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -248,7 +250,8 @@ class ModelRunner:
         d, n = self.device, sum(q_lens)
         return ForwardBatch(
             input_ids=torch.zeros(n, dtype=torch.long, device=d) if input_ids is None else input_ids.to(d),
-            positions=torch.cat([torch.arange(s - q, s, device=d) for q, s in zip(q_lens, seq_lens)]) % self.max_model_len,
+            positions=torch.cat([torch.arange(s - q, s, device=d)
+                                 for q, s in zip(q_lens, seq_lens)]) % self.max_model_len,
             slot_mapping=slot_mapping.long(), block_tables=block_tables, logits_indices=torch.tensor([n - 1], device=d),
             query_start_loc=torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32, device=d),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d), max_query_len=max(q_lens),
@@ -266,7 +269,7 @@ class ModelRunner:
     def _build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
         """The step's ForwardBatch, and the rows whose logits give prompt logprobs (usually none)."""
         bs = self.block_size
-        ids, positions, slots, qsl, seq_lens, logits_idx = [], [], [], [0], [], []
+        ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
         pending_rows, pending_src = [], []
         prompt_rows: list[PromptLogprobRows] = []
         max_blocks = 1
@@ -287,12 +290,16 @@ class ModelRunner:
                 if not s.samples and (rows := prompt_logprob_rows(r, start, end, qsl[-1])):
                     prompt_rows.append(rows)
             else:
-                if end > len(r.all_token_ids):  # only a decode's one token can be pending
+                known = end - s.num_spec_tokens
+                if known > len(r.all_token_ids):  # only a decode's one token can be pending
                     raise RuntimeError(f"request {r.request_id}: a chunk of {s.num_new_tokens} tokens ends at a "
                                        "pending token")
                 pos = np.arange(start, end)
                 table = np.asarray(r.block_ids, dtype=np.int64)
-                ids.append(r.all_token_ids[start:end])
+                ids.append(r.all_token_ids[start:known])
+                if s.num_spec_tokens:  # the drafts; their rows are sampled after the others
+                    ids.append(r.spec_token_ids[:s.num_spec_tokens])
+                    spec_idx.extend(range(qsl[-1] + known - start - 1, qsl[-1] + s.num_new_tokens - 1))
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
                 if rows := prompt_logprob_rows(r, start, end, qsl[-1]):
@@ -320,7 +327,7 @@ class ModelRunner:
             query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
             seq_lens=t(np.asarray(seq_lens, dtype=np.int32), torch.int32),
             block_tables=t(tables, torch.int32),
-            logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
+            logits_indices=t(np.asarray(logits_idx + spec_idx, dtype=np.int64), torch.long),
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
         ), prompt_rows
@@ -339,17 +346,30 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, batch)
         sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
         if prompt_rows:
-            return self._sample_with_prompt_logprobs(hidden, batch, sampling, prompt_rows)
+            return self._sample_with_prompt_logprobs(hidden, batch, sampling, prompt_rows, out)
         if not sampling:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel worker: its logits went to rank 0, which samples
             return None
-        return self._sample(logits, sampling)
+        return self._sample(logits, sampling, out)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> PendingSample:
-        pending = self.sampler.sample(logits, sampling)
+    def _sample(self, logits: torch.Tensor, sampling: list[Request], out: SchedulerOutput) -> PendingSample:
+        """Rows ``[0, len(sampling))`` are the sampled requests' newest positions; any after them
+        are the draft positions of speculative decoding, verified here."""
+        n = len(sampling)
+        pending = self.sampler.sample(logits[:n], sampling)
         self.adopt_sampled(pending.token_ids, sampling)
+        if logits.shape[0] > n:
+            rows, drafts, row_requests, draft_ids = [], [], [], []
+            for row, s in enumerate(s for s in out.scheduled if s.samples):
+                if s.num_spec_tokens:
+                    d = s.request.spec_token_ids[:s.num_spec_tokens]
+                    rows.append(row), drafts.append(d)
+                    row_requests += [s.request] * len(d)
+                    draft_ids += d
+            accepted, recovered = self.sampler.verify_drafts(logits[n:], row_requests, draft_ids)
+            pending.attach_drafts(rows, drafts, accepted, recovered)
         return pending
 
     def adopt_sampled(self, token_ids: torch.Tensor, sampled: list[Request]) -> None:
@@ -365,14 +385,15 @@ class ModelRunner:
         return (host.pin_memory() if self.device.type == "cuda" else host).to(device=self.device, non_blocking=True)
 
     def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
-                                     prompt_rows: list[PromptLogprobRows]) -> PendingSample | None:
+                                     prompt_rows: list[PromptLogprobRows],
+                                     out: SchedulerOutput) -> PendingSample | None:
         """A step that also computes prompt logprobs. Every tensor-parallel rank runs it, making
         the same ``compute_logits`` calls: the sampled rows' first, then the prompt rows'."""
         pending = None
         if sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             if logits is not None:
-                pending = self._sample(logits, sampling)
+                pending = self._sample(logits, sampling, out)
         prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows, self.sampler.vocab_size)
         if prompt is None:  # a tensor-parallel worker
             return None

@@ -42,6 +42,7 @@ from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
 from deepbatch.sampling.batch_memo import BatchMemo
 from deepbatch.sampling.host_copy import copy_to_host, table_to_device
 from deepbatch.sampling.penalty_state import PenaltyState
+from deepbatch.sampling.rejection import accepted_prefix, verify_drafts
 from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples, warm_up_bitmask
 
@@ -92,14 +93,17 @@ class PendingSample:
         self._errors = errors
         pin = token_ids.device.type == "cuda"
         self._nan_rows = copy_to_host(nan_rows, pin) if nan_rows is not None else None
-        self._host = [copy_to_host(token_ids, pin)]
+        self._host = copy_to_host(token_ids, pin)
         self._k_max = 0
+        self._table = None
         if logits is not None:
             # One [S, 2 + 2k] table (kernels/logprobs_topk.py) and one copy: no [S, V] log-softmax.
             self._k_max = max((p.logprobs or 0) for p in params)
             table = (logprobs_topk if fused else logprobs_topk_ref)(logits, token_ids, self._k_max)
-            self._host.append(copy_to_host(table, pin))
+            self._table = copy_to_host(table, pin)
         self._prompt: PendingPromptLogprobs | None = None
+        # Speculative decoding: (sampled rows that drafted, their drafts, accepted, recovered).
+        self._spec: tuple[list[int], list[list[int]], torch.Tensor, torch.Tensor] | None = None
         self._event = None
         self._record()
         self._resolved: SamplerOutput | None = None
@@ -114,6 +118,15 @@ class PendingSample:
         self._prompt = prompt
         self._record()
 
+    def attach_drafts(self, rows: list[int], drafts: list[list[int]], accepted: torch.Tensor,
+                      recovered: torch.Tensor) -> None:
+        """Speculative decoding: sampled row ``rows[i]`` drafted ``drafts[i]``, verified into
+        ``accepted``/``recovered`` (the drafts' rows in order; ``sampling/rejection.py``). Its
+        ``token_ids`` entry then resolves to a list: the accepted drafts and one more token."""
+        pin = accepted.device.type == "cuda"
+        self._spec = (rows, drafts, copy_to_host(accepted, pin), copy_to_host(recovered, pin))
+        self._record()
+
     def _record(self) -> None:
         if self.token_ids.device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -123,10 +136,17 @@ class PendingSample:
         if self._resolved is None:
             if self._event is not None:
                 self._event.synchronize()  # the one host sync of a step
-            token_ids = self._host[0].tolist()
+            token_ids = self._host.tolist()
             logprobs = None
-            if len(self._host) > 1:
-                logprobs = _step_logprobs(self._host[1], self._k_max, token_ids, self._params)
+            if self._table is not None:
+                logprobs = _step_logprobs(self._table, self._k_max, token_ids, self._params)
+            if self._spec is not None:
+                rows, all_drafts, accepted, recovered = self._spec
+                accepted, recovered = accepted.tolist(), recovered.tolist()
+                offset = 0
+                for row, drafts in zip(rows, all_drafts):
+                    token_ids[row] = accepted_prefix(accepted, recovered, drafts, offset, token_ids[row])
+                    offset += len(drafts)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():
@@ -335,8 +355,9 @@ class Sampler:
         any_seeded = any(p.seed is not None for p in params)
         return (temperature, top_p, min_p, top_k.int(), seeds, seeded.bool()), flags, any_seeded
 
-    def _sample(self, logits, requests):
-        params = [r.sampling_params for r in requests]
+    def _filtered_probs(self, logits, params) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's distribution after temperature, top-k, top-p and min-p, and which rows are
+        greedy (their probs are those of temperature 1)."""
         # One host->device copy of every per-row parameter (pinned, so it does not wait on the
         # step's kernels): rows are greedy, temperature, top_k, top_p, min_p.
         table = self._to_device([
@@ -353,14 +374,29 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs, greedy.bool()
 
+    @torch.no_grad()
+    def verify_drafts(self, logits: torch.Tensor, requests: list[Request],
+                      draft_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding: ``logits`` ``[D, V]`` at the draft rows, row ``i`` in place of
+        draft ``draft_ids[i]`` of ``requests[i]``; ``(accepted, recovered)`` on the device
+        (``sampling/rejection.py``). Drafting requests carry no penalties, seeds or grammars."""
+        logits = self._apply_logit_bias(logits, requests)
+        probs, greedy = self._filtered_probs(logits, [r.sampling_params for r in requests])
+        drafts = self._to_device([draft_ids], torch.int64)[0]
+        return verify_drafts(probs, logits, drafts, greedy)
+
+    def _sample(self, logits, requests):
+        params = [r.sampling_params for r in requests]
+        probs, greedy = self._filtered_probs(logits, params)
         q = torch.empty_like(probs).exponential_()
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:
             keys = [(params[i].seed, stream_position(requests[i].num_output_tokens, requests[i].index)) for i in seeded]
             q[torch.tensor(seeded, device=q.device)] = seeded_exponential(keys, q.shape[1], q.device)
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy.bool(), logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _to_device(self, rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return table_to_device(rows, dtype, self.device)

@@ -156,6 +156,12 @@ class Scheduler:
                         i += 1  # its chunk is cut to nothing this step
                         continue
             num_new = min(num_todo, limit)
+            if request.spec_token_ids:
+                # Drafts run after the decode's token where the budget has room to spare: every
+                # running request after this one keeps a token first.
+                spare = limit - num_new - (len(self.running) - i - 1)
+                del request.spec_token_ids[max(spare, 0) if num_todo == 1 else 0:]
+                num_new += len(request.spec_token_ids)
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]  # possibly the request itself
                 if victim is request and len(self.running) == 1:
@@ -326,6 +332,7 @@ class Scheduler:
     def _preempt_last(self, out: SchedulerOutput) -> None:
         """The running request that sorts last gives way (by swap or by recompute)."""
         request = self.running.pop()
+        request.spec_token_ids.clear()
         self.policy.on_released(request)
         self.preemptor.preempt(request, out.blocks_to_swap_out)
         out.preempted.append(request)

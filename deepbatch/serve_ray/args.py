@@ -62,6 +62,8 @@ def engine_namespace(engine_args: dict[str, Any], where: str = "engine_args") ->
             argv.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # a JSON flag (speculative_config)
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     stderr = io.StringIO()

@@ -13,11 +13,14 @@ from deepbatch.serve_ray.cli import app_args_from_cli
 
 def test_engine_args_build_the_same_config_as_the_command_line():
     argv = ["--max-num-seqs", "4", "--no-enable-prefix-caching", "--kv-cache-dtype", "int8", "--enforce-eager",
-            "--max-model-len", "512", "--scheduling-policy", "fair"]
+            "--max-model-len", "512", "--scheduling-policy", "fair",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     expected = engine_config_from_args(build_parser().parse_args(["serve", *argv]))
     given = {"max_num_seqs": 4, "enable-prefix-caching": False, "--kv-cache-dtype": "int8", "enforce_eager": True,
-             "max_model_len": "512", "scheduling_policy": "fair"}
+             "max_model_len": "512", "scheduling_policy": "fair",
+             "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}  # a mapping, as YAML gives it
     assert engine_config_from_args(engine_namespace(given)) == expected
+    assert expected.speculative_config.num_speculative_tokens == 2
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,118 @@
+"""Speculative decoding with prompt lookup (``--speculative-config '{"method": "ngram"}'``) on the
+embedded SmolLM2: greedy output token for token equal to decoding without it, through chunked
+prefill beside verification steps and preemption; requests that do not draft (a seed, penalties,
+logprobs) unchanged beside those that do; limits and stop ids kept inside an accepted run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deepbatch import LLM, SamplingParams
+
+CODE = ("def area(width, height):\n    return width * height\n\n"
+        "def perimeter(width, height):\n    return 2 * (width + height)\n\n")
+DOC = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin spans "
+       "seven million square kilometres, of which five and a half million are covered by the "
+       "rainforest. The region includes territory belonging to nine nations.")
+PROMPTS = [
+    CODE + "Rewrite both functions above with type hints:\n\n",
+    f"Document: {DOC}\n\nQuestion: How many square kilometres does the basin span?\nAnswer, quoting the document:",
+    f"Summarize in one sentence, reusing the document's words.\n\n{DOC}\n\nSummary:",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    # Small chunks and a small KV pool: prefill chunks share steps with verification, and the
+    # four requests cannot all stay resident (preemption by recompute, drafts dropped with it).
+    return LLM(max_model_len=1024, dtype="float32", device="cpu", max_num_batched_tokens=48,
+               num_gpu_blocks_override=16, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                               "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+
+
+def test_greedy_output_equals_decoding_without_drafts(spec_llm, smollm_llm):
+    want = smollm_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    engine = spec_llm.engine
+    engine.scheduler.num_preemptions = 0
+    got = spec_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+        assert g.outputs[0].text == w.outputs[0].text
+    stats = engine.stats
+    print(f"\n{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} drafts accepted in "
+          f"{stats.spec_num_drafts} drafting request-steps; by position {stats.spec_accepted_per_position}; "
+          f"{engine.scheduler.num_preemptions} preemptions")
+    # The workload copies its prompts: drafts are made, many are right, and fewer steps run.
+    assert stats.spec_num_accepted_tokens >= 20 and stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    assert engine.scheduler.num_preemptions > 0
+    assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+
+
+def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deepbatch.api.metrics import _EngineCollector
+    from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot
+
+    spec_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    stats = spec_llm.engine.stats
+    snap = take_snapshot(spec_llm.engine, EngineSnapshot())
+    assert snap.spec_decode == (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+                                tuple(stats.spec_accepted_per_position))
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(SimpleNamespace(snapshot=lambda: snap), "m"))
+    text = generate_latest(registry).decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {float(stats.spec_num_drafts)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(stats.spec_num_accepted_tokens)}' \
+        in text
+    first = stats.spec_accepted_per_position[0]
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+
+
+def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(spec_llm, smollm_llm):
+    params = [
+        SamplingParams(temperature=0.8, seed=11, max_tokens=24),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24),
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
+        GREEDY,
+    ]
+    want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
+    drafts_before = spec_llm.engine.stats.spec_num_drafts
+    got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert [list(x) for x in got[2].outputs[0].logprobs] == [list(x) for x in want[2].outputs[0].logprobs]
+    assert spec_llm.engine.stats.spec_num_drafts > drafts_before  # the last one drafted
+
+
+def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):
+    exact = SamplingParams(temperature=0.7, max_tokens=37, ignore_eos=True)
+    outs = spec_llm.generate(PROMPTS, exact, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 37 and o.outputs[0].finish_reason == "length" for o in outs)
+    # A stop id inside the copied text: the run ends at it, whatever was accepted after it.
+    newline = spec_llm.engine.tokenizer.encode("\n")[-1]
+    stop = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[newline])
+    out = spec_llm.generate([PROMPTS[0]], stop, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == newline
+    assert out.token_ids.count(newline) == 1 and out.token_ids[-1] == newline
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "mtp"}, "not available yet"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "draft": 1}, "unknown key"),
+    ('{"method": "ngram"', "not JSON"),
+])
+def test_a_bad_speculative_config_is_a_clear_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=None, speculative_config=config)
+
+
+def test_speculative_decoding_asks_for_synchronous_steps():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(model=None, speculative_config={"method": "ngram"}, async_scheduling=True)
