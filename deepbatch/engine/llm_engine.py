@@ -44,7 +44,7 @@ from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
-from deepbatch.sampling.sampler import PendingSample
+from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.control.controller import make_controller
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler

@@ -42,7 +42,7 @@ from deepbatch.runner.worker import WorkerArgs
 from deepbatch.core.errors import EngineDeadError
 from deepbatch.models.loader import ModelSource, build_model
 from deepbatch.runner.model_runner import ModelRunner
-from deepbatch.sampling.sampler import PendingSample
+from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)

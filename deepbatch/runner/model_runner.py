@@ -33,8 +33,10 @@ from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_sc
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
+from deepbatch.sampling.rejection import step_drafts
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
-from deepbatch.sampling.sampler import PendingSample, Sampler
+from deepbatch.sampling.pending_sample import PendingSample
+from deepbatch.sampling.sampler import Sampler
 from deepbatch.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -361,13 +363,7 @@ class ModelRunner:
         pending = self.sampler.sample(logits[:n], sampling)
         self.adopt_sampled(pending.token_ids, sampling)
         if logits.shape[0] > n:
-            rows, drafts, row_requests, draft_ids = [], [], [], []
-            for row, s in enumerate(s for s in out.scheduled if s.samples):
-                if s.num_spec_tokens:
-                    d = s.request.spec_token_ids[:s.num_spec_tokens]
-                    rows.append(row), drafts.append(d)
-                    row_requests += [s.request] * len(d)
-                    draft_ids += d
+            rows, drafts, row_requests, draft_ids = step_drafts(out.scheduled)
             accepted, recovered = self.sampler.verify_drafts(logits[n:], row_requests, draft_ids)
             pending.attach_drafts(rows, drafts, accepted, recovered)
         return pending

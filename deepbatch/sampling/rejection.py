@@ -38,6 +38,19 @@ def verify_drafts(probs: torch.Tensor, logits: torch.Tensor, draft_ids: torch.Te
     return accepted, torch.where(greedy, argmax, recovered)
 
 
+def step_drafts(scheduled) -> tuple[list[int], list[list[int]], list, list[int]]:
+    """A step's drafts (``ScheduledRequest``s in order): the sampled rows that drafted, their
+    drafts, and per draft row its request and its draft, in the order the runner lays them out."""
+    rows, drafts, row_requests, draft_ids = [], [], [], []
+    for row, s in enumerate(s for s in scheduled if s.samples):
+        if s.num_spec_tokens:
+            d = s.request.spec_token_ids[:s.num_spec_tokens]
+            rows.append(row), drafts.append(d)
+            row_requests += [s.request] * len(d)
+            draft_ids += d
+    return rows, drafts, row_requests, draft_ids
+
+
 def accepted_prefix(accepted: list[bool], recovered: list[int], drafts: list[int], offset: int,
                     bonus: int) -> list[int]:
     """One request's tokens from the host copies: its accepted drafts (rows ``offset`` on), then

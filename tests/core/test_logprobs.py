@@ -7,7 +7,7 @@ import torch
 from deepbatch.core.logprobs import SampleLogprobs
 from deepbatch.core.outputs import Logprob
 from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.sampling.sampler import _step_logprobs
+from deepbatch.sampling.pending_sample import _step_logprobs
 
 K = 3
 

@@ -10,7 +10,7 @@ import torch
 import xgrammar
 
 from deepbatch.core.sampling_params import SamplingParams, StructuredOutputsParams
-from deepbatch.sampling.sampler import SamplerOutput
+from deepbatch.sampling.pending_sample import SamplerOutput
 from deepbatch.structured_output.bitmask import (_ban_until_min_tokens, apply_bitmask, apply_bitmask_torch,
                                                  apply_grammar_bitmask, unpack_bitmask)
 from deepbatch.structured_output.grammar import GrammarCache
