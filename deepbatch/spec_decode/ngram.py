@@ -1,5 +1,6 @@
 """Prompt lookup (n-gram) drafts: the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens, in its own prompt and output.
+sequence's last n tokens, in its own prompt and output (the latest with k tokens after it, where
+one has).
 
     tokens:   ... a b c d e ... x a b c | ?        last n = 3 tokens: "a b c"
                     ^^^^^ d e f            the latest earlier "a b c" is followed by "d e f"
@@ -29,18 +30,25 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
         windows = sliding_window_view(tokens[:length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            # The latest occurrence with k tokens after it, else the latest: in a repeating
+            # stretch the latest overlaps the end and would draft one token.
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if len(full) else hits[-1]) + n
             return tokens[start:start + k].tolist()
     return []
 
 
 def propose_ngram_ref(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The same in plain Python, for the tests."""
+    if k <= 0:
+        return []
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[len(tokens) - n:]
-        for i in range(len(tokens) - n - 1, -1, -1):
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k] if k > 0 else []
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
+        if starts:
+            full = [i for i in starts if i + n + k <= len(tokens)]
+            i = (full or starts)[-1]
+            return tokens[i + n:i + n + k]
     return []
 
 

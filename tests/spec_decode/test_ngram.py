@@ -26,6 +26,8 @@ def test_the_latest_occurrence_of_the_longest_suffix_gives_the_drafts():
     assert propose_ngram(np.array([1, 2, 3]), 1, 3, 4) == []  # nothing repeats
     assert propose_ngram(np.array([5]), 1, 3, 4) == []
     assert propose_ngram(np.array([4, 4, 4, 4]), 2, 3, 5) == [4]  # the drafts stop at the sequence's end
+    # In a repeating stretch the latest occurrence with k tokens after it wins over the latest.
+    assert propose_ngram(np.array([6, 4, 4, 4, 4, 4, 4]), 2, 2, 3) == [4, 4, 4]
 
 
 def test_matches_the_reference_on_random_sequences():
