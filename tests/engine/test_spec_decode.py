@@ -76,10 +76,10 @@ def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
 
 def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(spec_llm, smollm_llm):
     params = [
-        SamplingParams(temperature=0.8, seed=11, max_tokens=24),
-        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=16),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
         SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
-        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=24),
     ]
     want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
     drafts_before = spec_llm.engine.stats.spec_num_drafts
@@ -91,9 +91,9 @@ def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(spec_llm,
 
 
 def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):
-    exact = SamplingParams(temperature=0.7, max_tokens=37, ignore_eos=True)
+    exact = SamplingParams(temperature=0.7, max_tokens=21, ignore_eos=True)
     outs = spec_llm.generate(PROMPTS, exact, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 37 and o.outputs[0].finish_reason == "length" for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 21 and o.outputs[0].finish_reason == "length" for o in outs)
     # A stop id inside the copied text: the run ends at it, whatever was accepted after it.
     newline = spec_llm.engine.tokenizer.encode("\n")[-1]
     stop = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[newline])
