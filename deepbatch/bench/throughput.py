@@ -30,7 +30,7 @@ from deepbatch.bench.roofline import H200_FLOPS, model_cost, workload_ceiling
 from deepbatch.layers.quantization import get_quantization_config
 from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.bench.memory_report import KVSampler, format_memory
-from deepbatch.bench.workloads import KV_SIZED, WORKLOADS, make_workload
+from deepbatch.bench.workloads import KV_SIZED, TEXT_WORKLOADS, WORKLOADS, make_workload
 from deepbatch.engine_args import add_engine_args, engine_kwargs_from_args
 
 
@@ -56,9 +56,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
     except Exception:
         return "unknown"
+
+
+def spec_report(engine, before: tuple[int, int, int]) -> dict | None:
+    """Speculative decoding over the timed run: drafts, acceptance rate and the mean acceptance
+    length (tokens per drafting request-step: the accepted drafts and the one after them)."""
+    if engine.config.speculative_config is None:
+        return None
+    s = engine.stats
+    drafts, draft_tokens, accepted = (s.spec_num_drafts - before[0], s.spec_num_draft_tokens - before[1],
+                                      s.spec_num_accepted_tokens - before[2])
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / max(draft_tokens, 1), "mean_acceptance_length": 1 + accepted / max(drafts, 1)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -73,13 +86,15 @@ def run(args: argparse.Namespace) -> dict:
     if kwargs["max_model_len"] is None:
         # Long enough for the workload's longest request (its lengths do not depend on the
         # vocabulary; the KV-sized workloads use short requests).
-        longest = 0 if args.workload in KV_SIZED else make_workload(args.workload, 32000, args.num_requests).max_len
+        longest = (0 if args.workload in KV_SIZED or args.workload in TEXT_WORKLOADS  # those fit 4,096
+                   else make_workload(args.workload, 32000, args.num_requests).max_len)
         kwargs["max_model_len"] = max(4096, longest)
     llm = LLM(**kwargs)
     device = llm.engine.config.device
     engine = llm.engine
     cfg = engine.hf_config
-    w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens)
+    w = make_workload(args.workload, cfg.vocab_size, args.num_requests, engine.kv_cache.capacity_tokens,
+                      engine.tokenizer)
     params = [SamplingParams(**{"temperature": w.temperature, **args.sampling, "max_tokens": n, "ignore_eos": True,
                                 **({"seed": i} if args.seed_per_request else {})})
               for i, n in enumerate(w.output_lens)]
@@ -93,6 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     engine.scheduler.expected_output_len = expected_output_len
     sampler = KVSampler(engine)
     steps0 = engine.stats.num_steps
+    spec0 = (engine.stats.spec_num_drafts, engine.stats.spec_num_draft_tokens, engine.stats.spec_num_accepted_tokens)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     prof = None
@@ -131,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
             "sampling": args.sampling, "seed_per_request": args.seed_per_request,
             "async_scheduling": engine.async_scheduling,
             "prompt_tokens": w.num_prompt_tokens, "steps": engine.stats.num_steps - steps0,
+            "spec_decode": spec_report(engine, spec0),
             "preemptions": engine.scheduler.num_preemptions, "kv_blocks": engine.num_blocks,
             "kv_capacity_tokens": engine.kv_cache.capacity_tokens,
             "kv_cache_dtype": args.kv_cache_dtype, "kv_bytes_per_token": kv_bytes_per_token,
@@ -197,7 +214,8 @@ def _export_weights(llm):
     ours = engine.runner.model
     state = {}
     for name, p in ours.named_parameters():
-        state.update(ours.export_weights(name, p.detach().cpu()) if hasattr(ours, "export_weights") else {name: p.detach().cpu()})
+        weights = p.detach().cpu()
+        state.update(ours.export_weights(name, weights) if hasattr(ours, "export_weights") else {name: weights})
     return engine.hf_config, engine.config.model.dtype, state
 
 
@@ -224,7 +242,8 @@ def _device_name(device: str) -> str:
 def print_table(report: dict) -> None:
     rows = report["results"]
     ours = rows[0]
-    print(f"\nworkload {report['workload']}  model {report['model']}  device {report['device']}  commit {report['commit']}")
+    print(f"\nworkload {report['workload']}  model {report['model']}  device {report['device']}  "
+          f"commit {report['commit']}")
     print(f"{'engine':<22}{'req/s':>8}{'out tok/s':>12}{'total tok/s':>13}{'seconds':>10}{'ours / it':>11}")
     for r in rows:
         if "error" in r:

@@ -74,15 +74,50 @@ def kv_multiple(name: str, factor: int, kv_capacity_tokens: int, vocab: int, pro
     return fixed(name, n, prompt_len, output_len, vocab)
 
 
+def copy_heavy(tokenizer, num_requests: int = 256, output_len: int = 128, seed: int = 0) -> Workload:
+    """Requests whose answers copy their prompts, as code edits, answers quoted from a document
+    and summaries do (where speculative decoding by prompt lookup pays), from real text every
+    Python install has: the standard library's own functions (code) and the language reference's
+    topics (``pydoc_data``, English). Greedy, ``output_len`` tokens each."""
+    import inspect
+    import json
+    import pydoc_data.topics
+    import textwrap
+
+    topics = pydoc_data.topics.topics
+    documents = [topics[k][:2400] for k in sorted(topics) if len(topics[k]) > 1200]
+    functions = [inspect.getsource(f) for module in (textwrap, json.decoder, inspect)
+                 for _, f in sorted(vars(module).items()) if inspect.isfunction(f) and f.__module__ == module.__name__
+                 and 400 < len(inspect.getsource(f)) < 2400]
+    tasks = [
+        lambda: "Here is a Python function:\n\n" + rng.choice(functions) + "\nRewrite it with type hints on "
+        "every argument and a docstring. Reply with the whole function.\n\n",
+        lambda: "Document:\n" + rng.choice(documents) + "\n\nQuote the document's first two sentences word for "
+        "word, then explain them.\n\nQuote:",
+        lambda: "Summarize the following text in a few sentences, reusing its own wording.\n\n"
+        + rng.choice(documents) + "\n\nSummary:",
+    ]
+    rng = random.Random(seed)
+    prompts = [tokenizer.encode(tasks[i % len(tasks)]()) for i in range(num_requests)]
+    return Workload("copy-heavy", prompts, [output_len] * num_requests)
+
+
 WORKLOADS = ["nano", "nano-x4", "seed-table", "random-1k", "random-short", "mla-moe", "prefix", "cpu-smol", "kv-2x",
-             "long-swa", "long-prompt"]
+             "long-swa", "long-prompt", "copy-heavy"]
+# Workloads of real text, built with the model's tokenizer.
+TEXT_WORKLOADS = {"copy-heavy"}
 # Workloads sized from the engine's KV capacity (known only once the engine is built).
 KV_SIZED = {"kv-2x": 2}
 
 
 def make_workload(name: str, vocab: int, num_requests: int | None = None,
-                  kv_capacity_tokens: int | None = None) -> Workload:
-    if name in KV_SIZED:
+                  kv_capacity_tokens: int | None = None, tokenizer=None) -> Workload:
+    if name in TEXT_WORKLOADS and tokenizer is None:
+        raise ValueError(f"workload {name!r} is real text: it needs the model's tokenizer (a random-weight config "
+                         "takes one with --tokenizer DIR)")
+    if name == "copy-heavy":
+        w = copy_heavy(tokenizer, num_requests or 256)
+    elif name in KV_SIZED:
         if kv_capacity_tokens is None:
             raise ValueError(f"workload {name!r} is sized from the KV capacity; pass kv_capacity_tokens")
         w = kv_multiple(name, KV_SIZED[name], kv_capacity_tokens, vocab)
