@@ -15,25 +15,26 @@ costs only the slot it ran in.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` drafts for the sequence ``tokens`` (1-D integers); [] when none of its last
     ``min_n..max_n`` tokens occur earlier with a token after them."""
     length = len(tokens)
-    if k <= 0:
+    if k <= 0 or length < 2:
         return []
+    # Where an earlier copy of the suffix could end: the positions holding the last token (one
+    # pass over the sequence); each n then checks only those, one token further back at a time.
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows that start before the suffix itself and have at least one token after them.
-        windows = sliding_window_view(tokens[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            hits = hits[tokens[hits - back] == tokens[length - 1 - back]]
         if len(hits):
             # The latest occurrence with k tokens after it, else the latest: in a repeating
             # stretch the latest overlaps the end and would draft one token.
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if len(full) else hits[-1]) + n
+            full = hits[hits + 1 + k <= length]
+            start = int(full[-1] if len(full) else hits[-1]) + 1
             return tokens[start:start + k].tolist()
     return []
 
@@ -63,6 +64,9 @@ class NgramProposer:
     def __init__(self, config, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
+        # Each drafting request's tokens as an array, extended by what it sampled since (a list
+        # converted whole every step would cost as much as the search).
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
     def propose(self, running: list) -> None:
         """Set ``spec_token_ids`` of every running request (empty where it does not draft)."""
@@ -70,8 +74,22 @@ class NgramProposer:
         off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
         for r in running:
             k = 0 if off else self._room(r)
-            r.spec_token_ids = propose_ngram(np.asarray(r.all_token_ids), cfg.prompt_lookup_min,
+            r.spec_token_ids = propose_ngram(self._array(r), cfg.prompt_lookup_min,
                                              cfg.prompt_lookup_max, k) if k else []
+        if len(self._tokens) > 2 * len(running) + 64:  # ended requests' arrays
+            ids = {r.request_id for r in running}
+            self._tokens = {i: v for i, v in self._tokens.items() if i in ids}
+
+    def _array(self, r) -> np.ndarray:
+        buf, n = self._tokens.get(r.request_id, (None, 0))
+        tokens = r.all_token_ids
+        if buf is None or len(tokens) < n:  # new, or preempted and rebuilt
+            buf, n = np.empty(max(2 * len(tokens), 64), dtype=np.int64), 0
+        if len(tokens) > len(buf):
+            buf = np.concatenate([buf[:n], np.empty(len(tokens), dtype=np.int64)])
+        buf[n:len(tokens)] = tokens[n:]
+        self._tokens[r.request_id] = (buf, len(tokens))
+        return buf[:len(tokens)]
 
     def _room(self, r) -> int:
         """How many drafts the request may take this step (0: none)."""

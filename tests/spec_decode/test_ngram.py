@@ -78,3 +78,16 @@ def test_drafts_stop_short_of_max_tokens_and_the_context_and_of_a_large_batch():
     prefilling.num_computed_tokens = 2
     NgramProposer(cfg, max_model_len=100).propose([prefilling])
     assert prefilling.spec_token_ids == []
+
+
+def test_the_proposers_arrays_follow_the_requests_tokens_across_steps():
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    proposer = NgramProposer(cfg, max_model_len=10_000)
+    rng = random.Random(1)
+    r = decoding(SamplingParams(temperature=0.0), [rng.randrange(5) for _ in range(40)], output=(), max_tokens=5000)
+    for _ in range(200):  # the array grows past its first capacity
+        proposer.propose([r])
+        assert r.spec_token_ids == propose_ngram_ref(r.all_token_ids, 1, 3, 3)
+        for t in [rng.randrange(5) for _ in range(rng.randint(1, 4))]:
+            r.append_output_token(t)
+        r.num_computed_tokens = r.num_tokens - 1
