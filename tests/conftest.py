@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -29,9 +31,12 @@ settings.register_profile("fuzz", max_examples=1000, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One GGUF conversion cache for the whole run (servers started by the tests inherit it), kept out
-# of the user's home.
-os.environ.setdefault("DEEPBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="deepbatch-cache-"))
+# One GGUF conversion cache for the whole run, kept out of the user's home: made by the process
+# that starts the run (xdist's workers and the servers the tests start inherit it) and removed
+# when that process exits, since each conversion of SmolLM2 takes half a GB of disk.
+if "DEEPBATCH_CACHE_DIR" not in os.environ:
+    os.environ["DEEPBATCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="deepbatch-cache-")
+    atexit.register(shutil.rmtree, os.environ["DEEPBATCH_CACHE_DIR"], ignore_errors=True)
 # Triton reads TRITON_INTERPRET when a kernel is defined (at import), so it must be set before
 # anything imports deepbatch: without a GPU every Triton kernel runs in the interpreter.
 if not torch.cuda.is_available():
