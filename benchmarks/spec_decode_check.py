@@ -1,6 +1,7 @@
-"""Speculative decoding (prompt lookup) on the GPU: greedy output with and without drafts, the
-same random-weight model and prompts, through the Triton kernels and CUDA graphs (verification
-steps run in the mixed graphs); reports how many outputs agree, the drafts and the acceptance.
+"""Speculative decoding (prompt lookup) on the GPU: greedy output, and seeded sampled output
+(top-p, some with logprobs), with and without drafts, the same random-weight model and prompts,
+through the Triton kernels and CUDA graphs (verification steps run in the mixed graphs); reports
+how many outputs agree, the drafts and the acceptance.
 
     python benchmarks/spec_decode_check.py --model-config benchmarks/models/qwen3-0.6b.json
 
@@ -33,6 +34,9 @@ def main() -> None:
         segment = [rng.randrange(100, 20_000) for _ in range(rng.randint(8, 40))]
         prompts.append({"prompt_token_ids": (segment * rng.randint(2, 6))[: rng.randint(40, 200)]})
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # Seeded rows draw with noise keyed by the output position: the same tokens with drafts.
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=args.max_tokens, ignore_eos=True,
+                             logprobs=2 if i % 2 else None) for i in range(args.num_prompts)]
     common = dict(random_weights=True, dtype=args.dtype, max_model_len=1024, gpu_memory_utilization=0.4, seed=0)
     report = {}
     outputs = {}
@@ -44,12 +48,14 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         outputs[name] = [o.outputs[0].token_ids for o in outs]
+        outputs[name + "-seeded"] = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
         s = llm.engine.stats
         report[name] = {"seconds": round(seconds, 3), "steps": s.num_steps, "drafts": s.spec_num_drafts,
                         "draft_tokens": s.spec_num_draft_tokens, "accepted_tokens": s.spec_num_accepted_tokens,
                         "accepted_per_position": s.spec_accepted_per_position}
         del llm
     report["greedy_equal"] = sum(a == b for a, b in zip(outputs["plain"], outputs["ngram"]))
+    report["seeded_equal"] = sum(a == b for a, b in zip(outputs["plain-seeded"], outputs["ngram-seeded"]))
     report["num_prompts"] = len(prompts)
     print(json.dumps(report, indent=1))
     if args.output_json:

@@ -352,7 +352,7 @@ class LLMEngine:
         first, done = len(result.first_token), len(result.done)
         self.outputs.record_prompt_logprobs(sampled.prompt_logprobs)
         self.outputs.process([s.request for s in out.scheduled if s.samples], sampled.token_ids, sampled.logprobs,
-                             sampled.errors, now, result)
+                             sampled.errors, now, result, sampled.token_rows)
         if self.controller is not None:
             # Under async scheduling a step's time runs from the previous commit, not from
             # when it was scheduled (it waited behind the step before it).

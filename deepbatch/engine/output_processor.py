@@ -110,9 +110,10 @@ class OutputProcessor:
     # -- a step's tokens ----------------------------------------------------------------------
 
     def process(self, sampled: list[Request], token_ids: list[int | list[int]], logprobs,
-                errors: dict[int, str] | None, now: float, result: StepResult) -> None:
+                errors: dict[int, str] | None, now: float, result: StepResult,
+                token_rows: dict[int, list[int]] | None = None) -> None:
         """Take one step's sampled tokens (row ``i`` belongs to ``sampled[i]``; a list where the
-        request ran drafts: the accepted ones and the token after them)."""
+        request ran drafts: the tokens it keeps, their ``logprobs`` rows in ``token_rows[i]``)."""
         errors = errors or {}
         for i, (r, token) in enumerate(zip(sampled, token_ids)):
             if r.is_finished:
@@ -122,11 +123,12 @@ class OutputProcessor:
                 self.fail(r, errors[i])
                 continue
             if type(token) is list:
-                self._take_verified(r, token, now, result)
+                self._take_verified(r, token, token_rows[i], logprobs, now, result)
             else:
                 self._take(r, token, i, logprobs, now, result)
 
-    def _take_verified(self, r: Request, tokens: list[int], now: float, result: StepResult) -> None:
+    def _take_verified(self, r: Request, tokens: list[int], rows: list[int], logprobs, now: float,
+                       result: StepResult) -> None:
         """A drafting request's tokens, in order until one ends it. Its drafts' KV was written
         for every draft; only the accepted ones count as computed (the next step overwrites the
         rest), so the newest token is again the one left to run."""
@@ -139,8 +141,8 @@ class OutputProcessor:
         for j in range(accepted):
             per_position[j] += 1
         r.spec_token_ids = []
-        for token in tokens:
-            self._take(r, token, -1, None, now, result)
+        for token, row in zip(tokens, rows):
+            self._take(r, token, row, logprobs, now, result)
             if r.is_finished:
                 return
         r.num_computed_tokens = r.num_tokens - 1

@@ -33,7 +33,7 @@ from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_sc
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
-from deepbatch.sampling.rejection import step_drafts
+from deepbatch.sampling.draft_rows import sampling_rows, step_drafts
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.sampler import Sampler
@@ -358,14 +358,14 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request], out: SchedulerOutput) -> PendingSample:
         """Rows ``[0, len(sampling))`` are the sampled requests' newest positions; any after them
-        are the draft positions of speculative decoding, verified here."""
+        are the draft positions of speculative decoding, drawn like the rest
+        (``sampling/draft_rows.py``)."""
         n = len(sampling)
-        pending = self.sampler.sample(logits[:n], sampling)
-        self.adopt_sampled(pending.token_ids, sampling)
-        if logits.shape[0] > n:
-            rows, drafts, row_requests, draft_ids = step_drafts(out.scheduled)
-            accepted, recovered = self.sampler.verify_drafts(logits[n:], row_requests, draft_ids)
-            pending.attach_drafts(rows, drafts, accepted, recovered)
+        drafts = step_drafts(out.scheduled) if logits.shape[0] > n else []
+        pending = self.sampler.sample(logits, sampling_rows(sampling, drafts) if drafts else sampling)
+        self.adopt_sampled(pending.token_ids[:n], sampling)
+        if drafts:
+            pending.attach_drafts(n, drafts)
         return pending
 
     def adopt_sampled(self, token_ids: torch.Tensor, sampled: list[Request]) -> None:

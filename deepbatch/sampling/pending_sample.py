@@ -11,7 +11,7 @@ import torch
 from deepbatch.core.logprobs import StepLogprobs
 from deepbatch.kernels.logprobs_topk import logprobs_topk, logprobs_topk_ref
 from deepbatch.sampling.host_copy import copy_to_host
-from deepbatch.sampling.rejection import accepted_prefix
+from deepbatch.sampling.draft_rows import draft_row_owners, kept_rows
 
 if TYPE_CHECKING:
     from deepbatch.sampling.prompt_logprobs import PendingPromptLogprobs
@@ -32,13 +32,16 @@ class SamplerOutput:
     ``start`` 0 (``Request.record_prompt_logprobs`` keeps the first).
     """
 
-    token_ids: list[int]
+    # A list where the request drafted (speculative decoding): the tokens it keeps, in order.
+    token_ids: list[int | list[int]]
     # Row i: {token_id: Logprob}, the sampled token first (with its rank), then the top-k (ranks
     # 1..k), built when read; None for a row that did not ask. None when no row asked.
     logprobs: StepLogprobs | None = None
     # Row -> why that row's request failed (its token is meaningless); None when none did.
     errors: dict[int, str] | None = None
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, int, dict[int, float]]]]] | None = None
+    # A drafting request's row -> the ``logprobs`` rows of the tokens it keeps (one per token).
+    token_rows: dict[int, list[int]] | None = None
 
 
 class PendingSample:
@@ -67,8 +70,8 @@ class PendingSample:
             table = (logprobs_topk if fused else logprobs_topk_ref)(logits, token_ids, self._k_max)
             self._table = copy_to_host(table, pin)
         self._prompt: PendingPromptLogprobs | None = None
-        # Speculative decoding: (sampled rows that drafted, their drafts, accepted, recovered).
-        self._spec: tuple[list[int], list[list[int]], torch.Tensor, torch.Tensor] | None = None
+        # Speculative decoding: the number of request rows and (row, drafts) per drafting request.
+        self._drafts: tuple[int, list[tuple[int, list[int]]]] | None = None
         self._event = None
         self._record()
         self._resolved: SamplerOutput | None = None
@@ -83,14 +86,11 @@ class PendingSample:
         self._prompt = prompt
         self._record()
 
-    def attach_drafts(self, rows: list[int], drafts: list[list[int]], accepted: torch.Tensor,
-                      recovered: torch.Tensor) -> None:
-        """Speculative decoding: sampled row ``rows[i]`` drafted ``drafts[i]``, verified into
-        ``accepted``/``recovered`` (the drafts' rows in order; ``sampling/rejection.py``). Its
-        ``token_ids`` entry then resolves to a list: the accepted drafts and one more token."""
-        pin = accepted.device.type == "cuda"
-        self._spec = (rows, drafts, copy_to_host(accepted, pin), copy_to_host(recovered, pin))
-        self._record()
+    def attach_drafts(self, num_requests: int, drafts: list[tuple[int, list[int]]]) -> None:
+        """Speculative decoding: rows past ``num_requests`` are the draft positions of ``drafts``
+        (``sampling/draft_rows.py``); a drafting request's ``token_ids`` entry then resolves to
+        the tokens it keeps."""
+        self._drafts = (num_requests, drafts)
 
     def _record(self) -> None:
         if self.token_ids.device.type == "cuda":
@@ -105,19 +105,23 @@ class PendingSample:
             logprobs = None
             if self._table is not None:
                 logprobs = _step_logprobs(self._table, self._k_max, token_ids, self._params)
-            if self._spec is not None:
-                rows, all_drafts, accepted, recovered = self._spec
-                accepted, recovered = accepted.tolist(), recovered.tolist()
-                offset = 0
-                for row, drafts in zip(rows, all_drafts):
-                    token_ids[row] = accepted_prefix(accepted, recovered, drafts, offset, token_ids[row])
-                    offset += len(drafts)
             errors = dict(self._errors or {})
             if self._nan_rows is not None:
                 for i in self._nan_rows.nonzero().flatten().tolist():
                     errors.setdefault(i, "the model produced NaN logits for this request")
+            token_rows = None
+            if self._drafts is not None:
+                n, drafts = self._drafts
+                token_rows = kept_rows(token_ids, n, drafts)
+                owners = draft_row_owners(n, drafts)
+                for i in [i for i in errors if i >= n]:
+                    errors.setdefault(owners[i], errors.pop(i))
+                tokens = token_ids
+                token_ids = tokens[:n]
+                for row, rows in token_rows.items():
+                    token_ids[row] = [tokens[i] for i in rows]
             prompt = self._prompt.resolve() if self._prompt is not None else None
-            self._resolved = SamplerOutput(token_ids, logprobs, errors or None, prompt)
+            self._resolved = SamplerOutput(token_ids, logprobs, errors or None, prompt, token_rows)
         return self._resolved
 
 

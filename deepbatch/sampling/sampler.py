@@ -39,7 +39,6 @@ from deepbatch.sampling.batch_memo import BatchMemo
 from deepbatch.sampling.host_copy import table_to_device
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.penalty_state import PenaltyState
-from deepbatch.sampling.rejection import verify_drafts
 from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
 from deepbatch.structured_output.bitmask import apply_grammar_bitmask, remember_samples, warm_up_bitmask
 
@@ -258,17 +257,6 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs, greedy.bool()
-
-    @torch.no_grad()
-    def verify_drafts(self, logits: torch.Tensor, requests: list[Request],
-                      draft_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative decoding: ``logits`` ``[D, V]`` at the draft rows, row ``i`` in place of
-        draft ``draft_ids[i]`` of ``requests[i]``; ``(accepted, recovered)`` on the device
-        (``sampling/rejection.py``). Drafting requests carry no penalties, seeds or grammars."""
-        logits = self._apply_logit_bias(logits, requests)
-        probs, greedy = self._filtered_probs(logits, [r.sampling_params for r in requests])
-        drafts = self._to_device([draft_ids], torch.int64)[0]
-        return verify_drafts(probs, logits, drafts, greedy)
 
     def _sample(self, logits, requests):
         params = [r.sampling_params for r in requests]

@@ -8,8 +8,8 @@ one has).
 
 The largest n in [min_n, max_n] that occurs wins: a longer match is more likely to go on the same
 way. Code edits, answers quoted from a document and summaries copy their prompt, so their drafts
-are often right; the target model verifies every draft (``sampling/rejection.py``), so a wrong one
-costs only the slot it ran in.
+are often right; the target model verifies every draft (``sampling/draft_rows.py``), so a wrong
+one costs only the slot it ran in.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def propose_ngram_ref(tokens: list[int], min_n: int, max_n: int, k: int) -> list
 class NgramProposer:
     """Drafts for the running requests before each step (``SpeculativeConfig``, method ngram).
 
-    A request drafts only where one distribution per position holds for its next tokens (the
-    verification's premise, ``sampling/rejection.py``): no penalties (their counts move with each
-    token), no seed (its noise is keyed by the output position), no grammar, no logprobs, past its
-    min_tokens. The others decode one token per step beside the drafting ones."""
+    A request drafts unless its distribution at a position depends on the tokens kept before it
+    in a way the rows of one step cannot see (``sampling/draft_rows.py``): penalties (their counts
+    move with each token) and grammars (their matcher too). Those decode one token per step beside
+    the drafting ones."""
 
     def __init__(self, config, max_model_len: int):
         self.config = config
@@ -95,8 +95,7 @@ class NgramProposer:
         """How many drafts the request may take this step (0: none)."""
         p = r.sampling_params
         if (r.num_pending_tokens or r.num_tokens - r.num_computed_tokens != 1 or p.needs_penalties
-                or p.seed is not None or p.logprobs is not None or r.structured_output is not None
-                or r.num_output_tokens < p.min_tokens):
+                or r.structured_output is not None):
             return 0
         # The step adds the accepted drafts and one token more: neither limit may be passed.
         return max(0, min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,

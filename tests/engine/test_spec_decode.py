@@ -1,7 +1,8 @@
 """Speculative decoding with prompt lookup (``--speculative-config '{"method": "ngram"}'``) on the
 embedded SmolLM2: greedy output token for token equal to decoding without it, through chunked
-prefill beside verification steps and preemption; requests that do not draft (a seed, penalties,
-logprobs) unchanged beside those that do; limits and stop ids kept inside an accepted run."""
+prefill beside verification steps and preemption; seeded requests, logprobs and min_tokens the
+same with drafts as without; penalised requests, which do not draft, unchanged; limits and stop
+ids kept inside an accepted run."""
 
 from __future__ import annotations
 
@@ -74,20 +75,37 @@ def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
     assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
 
 
-def test_requests_that_do_not_draft_are_unchanged_beside_those_that_do(spec_llm, smollm_llm):
+def test_seeds_logprobs_and_min_tokens_draft_and_write_what_they_write_without_drafts(spec_llm, smollm_llm):
+    # Every draft row is drawn as the request would draw at that output position: a seed's noise
+    # and min_tokens' ban follow the position, so a seeded request keeps the same tokens.
     params = [
-        SamplingParams(temperature=0.8, seed=11, max_tokens=16),
-        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
-        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=24),
+        SamplingParams(temperature=0.0, max_tokens=16, logprobs=2),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=20, logprobs=3, min_tokens=18),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20),
     ]
+    want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
+    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
+    got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    for i in (1, 2):
+        w, g = want[i].outputs[0].logprobs, got[i].outputs[0].logprobs
+        assert len(g) == len(w) == len(got[i].outputs[0].token_ids)
+        for wl, gl in zip(w, g):
+            assert list(gl) == list(wl)
+            assert all(gl[t].rank == wl[t].rank and gl[t].logprob == pytest.approx(wl[t].logprob, abs=1e-4)
+                       for t in wl)
+
+
+def test_penalised_requests_do_not_draft_and_are_unchanged(spec_llm, smollm_llm):
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16)
     want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
     drafts_before = spec_llm.engine.stats.spec_num_drafts
     got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    assert [list(x) for x in got[2].outputs[0].logprobs] == [list(x) for x in want[2].outputs[0].logprobs]
-    assert spec_llm.engine.stats.spec_num_drafts > drafts_before  # the last one drafted
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec_llm.engine.stats.spec_num_drafts == drafts_before
 
 
 def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):

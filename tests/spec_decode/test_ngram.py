@@ -1,5 +1,5 @@
 """Prompt lookup drafts (``spec_decode/ngram.py``) against a plain-Python reference, and which
-requests may draft and how many tokens."""
+requests may draft (not with penalties or a grammar) and how many tokens."""
 
 from __future__ import annotations
 
@@ -50,12 +50,11 @@ def decoding(params: SamplingParams, prompt=(1, 2, 3, 1, 2), output=(3,), max_to
 @pytest.mark.parametrize("params, drafts", [
     (SamplingParams(temperature=0.0), [1, 2, 3]),  # tokens 1 2 3 1 2 3: "1 2 3" at 0 is followed by 1 2 3
     (SamplingParams(temperature=0.8, top_p=0.9, top_k=5, min_p=0.1, logit_bias={4: 1.0}), [1, 2, 3]),
+    (SamplingParams(seed=3, logprobs=2, min_tokens=5), [1, 2, 3]),
     (SamplingParams(repetition_penalty=1.1), []),
-    (SamplingParams(seed=3), []),
-    (SamplingParams(logprobs=2), []),
-    (SamplingParams(min_tokens=5), []),
+    (SamplingParams(presence_penalty=0.5), []),
 ])
-def test_only_requests_with_one_distribution_per_position_draft(params, drafts):
+def test_requests_whose_rows_cannot_see_the_drafts_do_not_draft(params, drafts):
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), max_model_len=100)
     r = decoding(params)
     proposer.propose([r])
