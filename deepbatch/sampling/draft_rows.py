@@ -25,14 +25,17 @@ from deepbatch.core.request import Request
 
 
 class DraftRow:
-    """A request as seen ``offset`` tokens past its newest one: what the sampler reads of it, with
-    ``num_output_tokens`` moved on by ``offset``."""
+    """A request as seen ``offset`` tokens past its newest one, the first ``offset`` of this
+    step's ``drafts`` taken: what the sampler reads of it, with ``num_output_tokens`` moved on by
+    ``offset`` (the penalties add the drafts before it to the request's counts,
+    ``penalty_state.py``)."""
 
-    __slots__ = ("request", "offset")
+    __slots__ = ("request", "offset", "drafts")
 
-    def __init__(self, request: Request, offset: int):
+    def __init__(self, request: Request, offset: int, drafts: list[int]):
         self.request = request
         self.offset = offset
+        self.drafts = drafts
 
     @property
     def num_output_tokens(self) -> int:
@@ -58,8 +61,8 @@ def sampling_rows(requests: list[Request], drafts: list[tuple[int, list[int]]]) 
     rows = list(requests)
     for row, d in drafts:
         r = requests[row]
-        rows[row] = DraftRow(r, len(d))
-        rows += [DraftRow(r, j) for j in range(len(d))]
+        rows[row] = DraftRow(r, len(d), d)
+        rows += [DraftRow(r, j, d) for j in range(len(d))]
     return rows
 
 

@@ -26,6 +26,7 @@ import torch
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties, apply_penalties_ref
 from deepbatch.sampling.batch_memo import BatchMemo
+from deepbatch.sampling.draft_rows import DraftRow
 from deepbatch.sampling.host_copy import table_to_device
 
 
@@ -67,26 +68,55 @@ class PenaltyState:
         sampling fails is sampled again row by row from them). Fills the slots of requests seen
         for the first time. ``kernel``: one Triton pass (``kernels/apply_penalties.py``) instead
         of the torch ops."""
-        batch = self._batch.get(requests)
+        batch, drafted = self._batch.get(requests), []
         if batch is None:
             rows = [i for i, r in enumerate(requests) if r.sampling_params.needs_penalties]
             if not rows:
                 self._batch.clear()
                 return logits
-            slots = [self._slot(requests[i], logits.shape[1]) for i in rows]
+            slots = [self._slot(_owner(requests[i]), logits.shape[1]) for i in rows]
             values = self._to_device([[requests[i].sampling_params.repetition_penalty for i in rows],
                                       [requests[i].sampling_params.frequency_penalty for i in rows],
                                       [requests[i].sampling_params.presence_penalty for i in rows]], torch.float32)
-            batch = self._batch.put(requests, (rows, self._to_device([rows, slots], torch.long), values))
+            batch = (rows, self._to_device([rows, slots], torch.long), values)
+            drafted = [(k, i, slot) for k, (i, slot) in enumerate(zip(rows, slots))
+                       if isinstance(requests[i], DraftRow) and requests[i].offset]
+            # A batch with draft rows is not kept: ``record`` counts only the draws each keeps.
+            if any(isinstance(requests[i], DraftRow) for i in rows):
+                self._batch.clear()
+            else:
+                self._batch.put(requests, batch)
         rows, index, values = batch
         rep, freq, pres = values
         whole = len(rows) == logits.shape[0]
         if kernel and logits.dtype == torch.float32 and logits.stride(1) == 1:
             out = torch.empty_like(logits) if whole else logits.clone()
-            return apply_penalties(logits, out, index[0], index[1], self.output_counts, self.prompt_mask,
-                                   rep, freq, pres)
-        sub = apply_penalties_ref(logits, index[0], index[1], self.output_counts, self.prompt_mask, rep, freq, pres)
-        return sub if whole else logits.index_copy(0, index[0], sub)
+            out = apply_penalties(logits, out, index[0], index[1], self.output_counts, self.prompt_mask,
+                                  rep, freq, pres)
+        else:
+            sub = apply_penalties_ref(logits, index[0], index[1], self.output_counts, self.prompt_mask,
+                                      rep, freq, pres)
+            out = sub if whole else logits.index_copy(0, index[0], sub)
+        return self._count_drafts(logits, out, requests, drafted, values) if drafted else out
+
+    def _count_drafts(self, logits, out, requests, drafted, values) -> torch.Tensor:
+        """Draft rows (``sampling/draft_rows.py``): row ``j`` of a request is drawn as if its first
+        ``j`` drafts were output tokens, so at those tokens' columns its counts are the slot's plus
+        how often each occurs among them. Only those columns change: they are computed again from
+        the raw logits with the full counts (the formula of ``apply_penalties_ref``)."""
+        entries = []
+        for k, i, slot in drafted:
+            d = requests[i].drafts[:requests[i].offset]
+            entries += [(i, slot, t, d.count(t), k) for t in dict.fromkeys(d) if t < logits.shape[1]]
+        if not entries:
+            return out
+        i, slot, t, extra, k = self._to_device([list(c) for c in zip(*entries)], torch.long)
+        x = logits[i, t].float()
+        c = self.output_counts[slot, t].float() + extra  # > 0: the token is seen
+        rep, freq, pres = values[:, k]
+        x = torch.where(x > 0, x / rep, x * rep)
+        out[i, t] = (x - freq * c - pres).to(out.dtype)
+        return out
 
     def record(self, sampled: torch.Tensor, requests: list[Request], skip: set[int] | dict | None = None) -> None:
         """Count the step's sampled ids (``sampled[i]`` is ``requests[i]``'s), once per step and
@@ -98,17 +128,41 @@ class PenaltyState:
         if batch is not None:
             rows, index, _ = batch  # the batch ``apply`` filled: every row has its slot
         else:
-            rows, slots = [], []
+            rows, slots, drafted = [], [], []
             for i, r in enumerate(requests):
                 entry = self._slots.get(r.request_id)
-                if entry is not None and entry[1] is r and not (skip and i in skip):
+                if entry is None or entry[1] is not _owner(r) or (skip and i in skip):
+                    continue
+                if isinstance(r, DraftRow):
+                    drafted.append((i, entry[0], r))
+                else:
                     rows.append(i), slots.append(entry[0])
+            if drafted:
+                self._record_kept(sampled, drafted)
             if not rows:
                 return
             index = self._to_device([rows, slots], torch.long)
         tokens = sampled.to(torch.long).index_select(0, index[0])
         ones = torch.ones(len(rows), dtype=self.output_counts.dtype, device=self.device)
         self.output_counts.index_put_((index[1], tokens), ones, accumulate=True)
+
+    def _record_kept(self, sampled: torch.Tensor, drafted: list) -> None:
+        """Count the draws of draft rows that their requests keep: row ``j``'s when the draws of
+        rows ``0..j-1`` equal their drafts (``sampling/draft_rows.py``), decided on the device."""
+        row_at = {(r.request_id, r.offset): i for i, _, r in drafted}
+        gate_entry, gate_row, gate_token = [], [], []
+        for e, (_, _, r) in enumerate(drafted):
+            for j in range(r.offset):
+                gate_entry.append(e), gate_row.append(row_at[r.request_id, j]), gate_token.append(r.drafts[j])
+        rows, slots = [i for i, _, _ in drafted], [slot for _, slot, _ in drafted]
+        index = self._to_device([rows, slots], torch.long)
+        tokens = sampled.to(torch.long).index_select(0, index[0])
+        kept = torch.ones(len(drafted), dtype=self.output_counts.dtype, device=self.device)
+        if gate_entry:
+            gate = self._to_device([gate_entry, gate_row, gate_token], torch.long)
+            differs = (sampled.to(torch.long).index_select(0, gate[1]) != gate[2]).to(kept.dtype)
+            kept = (torch.zeros_like(kept).index_add_(0, gate[0], differs) == 0).to(kept.dtype)
+        self.output_counts.index_put_((index[1], tokens), kept, accumulate=True)
 
     def forget(self, request_id: str) -> None:
         """The request ended: its slot may be handed to another. Work already queued on its
@@ -162,3 +216,8 @@ class PenaltyState:
 
     def _to_device(self, rows: list[list], dtype: torch.dtype) -> torch.Tensor:
         return table_to_device(rows, dtype, self.device)
+
+
+def _owner(row) -> Request:
+    """The request a sampler row belongs to (a draft row's is its request's)."""
+    return row.request if isinstance(row, DraftRow) else row

@@ -1,8 +1,7 @@
 """Speculative decoding with prompt lookup (``--speculative-config '{"method": "ngram"}'``) on the
 embedded SmolLM2: greedy output token for token equal to decoding without it, through chunked
-prefill beside verification steps and preemption; seeded requests, logprobs and min_tokens the
-same with drafts as without; penalised requests, which do not draft, unchanged; limits and stop
-ids kept inside an accepted run."""
+prefill beside verification steps and preemption; seeded requests, logprobs, min_tokens and
+penalties the same with drafts as without; limits and stop ids kept inside an accepted run."""
 
 from __future__ import annotations
 
@@ -99,13 +98,20 @@ def test_seeds_logprobs_and_min_tokens_draft_and_write_what_they_write_without_d
                        for t in wl)
 
 
-def test_penalised_requests_do_not_draft_and_are_unchanged(spec_llm, smollm_llm):
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16)
+def test_penalised_requests_draft_and_write_what_they_write_without_drafts(spec_llm, smollm_llm):
+    # Draft row j is penalised with the first j drafts counted; the counts keep the kept tokens.
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=7, frequency_penalty=0.4, presence_penalty=0.3, max_tokens=24),
+        SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2, max_tokens=24),
+        SamplingParams(temperature=0.0, presence_penalty=0.6, max_tokens=24),
+    ]
     want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
-    drafts_before = spec_llm.engine.stats.spec_num_drafts
+    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
     got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-    assert spec_llm.engine.stats.spec_num_drafts == drafts_before
+    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
 
 
 def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):

@@ -11,6 +11,7 @@ import torch
 
 from deepbatch import LLM, SamplingParams
 from deepbatch.core.request import Request
+from deepbatch.sampling.draft_rows import DraftRow, sampling_rows
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.sampler import Sampler
 
@@ -152,6 +153,38 @@ def test_request_first_sampled_with_outputs_fills_from_them():
     other.append_pending_token()
     with pytest.raises(RuntimeError, match="already sampled"):
         state.apply(random_logits(gen, 1), [other])
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_draft_rows_see_the_drafts_before_them_and_only_kept_draws_are_counted(kernel):
+    """Speculative decoding (``sampling/draft_rows.py``): draft row ``j`` is penalised as if the
+    first ``j`` drafts were output tokens; afterwards the counts hold the draws the request keeps
+    (up to the first that differs from its draft), not every row's."""
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    state = PenaltyState("cpu")
+    drafting = new_request(rng, "drafting", repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4)
+    plain = new_request(rng, "plain")
+    unpenalised = new_request(rng, "unpenalised", penalised=False)
+    for r, outputs in ((drafting, [3, 9]), (plain, [1]), (unpenalised, [2])):
+        for t in outputs:
+            r.append_output_token(t)
+    drafts = [3, 7, 3]
+    rows = sampling_rows([drafting, plain, unpenalised], [(0, drafts), (2, [4])])
+    logits = random_logits(gen, len(rows))
+    got = state.apply(logits, rows, kernel=kernel)
+    for i, row in enumerate(rows):
+        owner = getattr(row, "request", row)
+        history = owner.output_token_ids + (row.drafts[:row.offset] if isinstance(row, DraftRow) else [])
+        torch.testing.assert_close(got[i:i + 1], reference(logits[i:i + 1], [owner], {owner.request_id: history}),
+                                   rtol=0, atol=1e-6, msg=f"row {i}")
+    # Rows: drafting past its 3 drafts, plain, unpenalised past its draft, then drafting's 3 draft
+    # rows and unpenalised's 1. Drafting keeps 3 (equal to its draft) and 8 (differs from 7).
+    sampled = torch.tensor([9, 11, 12, 3, 8, 3, 4])
+    state.record(sampled, rows)
+    for rid, history in (("drafting", [3, 9, 3, 8]), ("plain", [1, 11])):
+        want = torch.bincount(torch.tensor(history), minlength=V)
+        assert state.output_counts[state.slot_of(rid)].tolist() == want.tolist()
+    assert state.slot_of("unpenalised") is None
 
 
 def greedy_run(sampler: Sampler, reqs: list[Request], steps: int, gen: torch.Generator, pending: bool = False):
