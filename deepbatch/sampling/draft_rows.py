@@ -21,28 +21,8 @@ distribution at a position depends on the tokens before it in a way one row cann
 
 from __future__ import annotations
 
+from deepbatch.core.draft_row import DraftRow
 from deepbatch.core.request import Request
-
-
-class DraftRow:
-    """A request as seen ``offset`` tokens past its newest one, the first ``offset`` of this
-    step's ``drafts`` taken: what the sampler reads of it, with ``num_output_tokens`` moved on by
-    ``offset`` (the penalties add the drafts before it to the request's counts,
-    ``penalty_state.py``)."""
-
-    __slots__ = ("request", "offset", "drafts")
-
-    def __init__(self, request: Request, offset: int, drafts: list[int]):
-        self.request = request
-        self.offset = offset
-        self.drafts = drafts
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens + self.offset
-
-    def __getattr__(self, name):
-        return getattr(self.request, name)
 
 
 def step_drafts(scheduled) -> list[tuple[int, list[int]]]:

@@ -26,7 +26,7 @@ import torch
 from deepbatch.core.request import Request
 from deepbatch.kernels.apply_penalties import apply_penalties, apply_penalties_ref
 from deepbatch.sampling.batch_memo import BatchMemo
-from deepbatch.sampling.draft_rows import DraftRow
+from deepbatch.core.draft_row import DraftRow
 from deepbatch.sampling.host_copy import table_to_device
 
 

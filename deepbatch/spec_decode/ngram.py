@@ -56,9 +56,8 @@ def propose_ngram_ref(tokens: list[int], min_n: int, max_n: int, k: int) -> list
 class NgramProposer:
     """Drafts for the running requests before each step (``SpeculativeConfig``, method ngram).
 
-    Every request drafts (each draft row is drawn as the request would draw at that position,
-    ``sampling/draft_rows.py``) except one under a grammar, whose matcher would have to walk the
-    drafts and back: it decodes one token per step beside the drafting ones."""
+    Every decoding request drafts: each draft row is drawn as the request would draw at that
+    position (``sampling/draft_rows.py``), its penalties and grammar included."""
 
     def __init__(self, config, max_model_len: int):
         self.config = config
@@ -92,7 +91,7 @@ class NgramProposer:
 
     def _room(self, r) -> int:
         """How many drafts the request may take this step (0: none)."""
-        if r.num_pending_tokens or r.num_tokens - r.num_computed_tokens != 1 or r.structured_output is not None:
+        if r.num_pending_tokens or r.num_tokens - r.num_computed_tokens != 1:
             return 0
         # The step adds the accepted drafts and one token more: neither limit may be passed.
         return max(0, min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,

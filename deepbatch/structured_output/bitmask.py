@@ -17,6 +17,7 @@ import logging
 import numpy as np
 import torch
 
+from deepbatch.core.draft_row import DraftRow
 from deepbatch.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -56,32 +57,39 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
     token; returns the rows masked. Brings each matcher up to the request's newest token first
     (reading a pending one from the step that sampled it). A row whose matcher fails is left
     unmasked with the error on its state: the engine ends that request at commit."""
-    rows = []
+    rows, drafting = [], {}
     for i, r in enumerate(requests):
         so = r.structured_output
         if so is None:
             continue
+        if isinstance(r, DraftRow):  # filled below, walking the drafts
+            drafting.setdefault(id(so), (r.request, r.drafts, {}))[2][r.offset] = i
+            continue
         so.advance(r.output_token_ids, r.num_pending_tokens)
         if so.constrains_next_token:
             rows.append(i)
-    if not rows:
+    if not rows and not drafting:
         return set()
     words = (logits.shape[1] + 31) // 32
     bitmask = torch.empty((len(requests), words), dtype=torch.int32, pin_memory=logits.is_cuda)
     bitmask.numpy().fill(-1)  # all allowed: the rows without a grammar stay so
     errors = _fill_rows(bitmask, requests, rows)
+    draft_rows = _fill_draft_rows(bitmask, drafting.values())
     # One pass over every row (this runs each step for every constrained request), in numpy: a
     # host op that torch would hand to its thread pool. A row with no bit set allows nothing.
     allows_some = bitmask.numpy().any(axis=1).tolist()
     masked = set()
-    for i in rows:
+    for i in rows + draft_rows:
         r = requests[i]
         if i in errors:
             r.structured_output.error = errors[i]
             bitmask[i] = -1
             continue
         if not allows_some[i]:  # nothing to draw: fail it at commit, sample it unmasked meanwhile
-            r.structured_output.dead_end()
+            if not isinstance(r, DraftRow) or r.offset == 0:
+                # Past a draft the dead end is the draft's: if the row is kept, the commit's
+                # matcher refuses its token and fails the request.
+                r.structured_output.dead_end()
             bitmask[i] = -1
             continue
         if r.num_output_tokens < r.sampling_params.min_tokens:  # a row view only where needed
@@ -90,6 +98,36 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request]) -> set[
     if masked:
         apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), sorted(masked))
     return masked
+
+
+def _fill_draft_rows(bitmask: torch.Tensor, drafting) -> list[int]:
+    """Speculative decoding: each drafting request's rows (``(request, drafts, {offset: row})``)
+    filled in order, the matcher taking draft ``j`` after row ``j``'s fill, then taken back to the
+    request's newest token (the commit feeds it the tokens kept). Rows past a draft the grammar
+    refuses, or past its end, stay all allowed: the draw before them differs from its draft, so
+    they are not kept. Returns the rows filled; a matcher fault is the request's error."""
+    filled = []
+    for r, drafts, at in drafting:
+        so = r.structured_output
+        so.advance(r.output_token_ids, r.num_pending_tokens)
+        if not so.constrains_next_token:
+            continue
+        taken = 0
+        try:
+            for j in range(len(drafts) + 1):
+                so.fill_bitmask(bitmask, at[j])
+                filled.append(at[j])
+                if j == len(drafts) or not so.matcher.accept_token(drafts[j]):
+                    break
+                taken += 1
+                if so.matcher.is_terminated():
+                    break
+        except Exception as e:  # noqa: BLE001 - one request's grammar fault ends that request alone
+            so.error = f"structured outputs failed: {type(e).__name__}: {e}"[:500]
+        finally:
+            if taken:
+                so.matcher.rollback(taken)
+    return filled
 
 
 def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
@@ -156,5 +194,5 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def remember_samples(pending, requests: list[Request]) -> None:
     """Tell each structured request which step row holds its newest (maybe pending) token."""
     for i, r in enumerate(requests):
-        if r.structured_output is not None:
+        if r.structured_output is not None and not isinstance(r, DraftRow):
             r.structured_output.last_sample = (pending, i)

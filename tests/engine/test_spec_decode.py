@@ -1,15 +1,19 @@
 """Speculative decoding with prompt lookup (``--speculative-config '{"method": "ngram"}'``) on the
 embedded SmolLM2: greedy output token for token equal to decoding without it, through chunked
-prefill beside verification steps and preemption; seeded requests, logprobs, min_tokens and
-penalties the same with drafts as without; limits and stop ids kept inside an accepted run."""
+prefill beside verification steps and preemption; seeded requests, logprobs, min_tokens,
+penalties and structured outputs the same with drafts as without; limits and stop ids kept
+inside an accepted run."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
+import jsonschema
 import pytest
 
 from deepbatch import LLM, SamplingParams
+from deepbatch.core.sampling_params import StructuredOutputsParams
 
 CODE = ("def area(width, height):\n    return width * height\n\n"
         "def perimeter(width, height):\n    return 2 * (width + height)\n\n")
@@ -112,6 +116,33 @@ def test_penalised_requests_draft_and_write_what_they_write_without_drafts(spec_
     assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+
+
+def test_structured_outputs_draft_and_write_what_they_write_without_drafts(spec_llm, smollm_llm):
+    # The grammar's matcher walks each request's drafts to mask its draft rows, then steps back.
+    # The area's length capped: greedy SmolLM2 would go on quoting the whole document.
+    schema = {"type": "object", "required": ["area", "nations"], "additionalProperties": False,
+              "properties": {"area": {"type": "string", "maxLength": 60}, "nations": {"type": "integer"}}}
+    question = (f"Document: {DOC}\n\nAs JSON with keys area (the basin's area, quoted from the document) "
+                "and nations:")
+    prompts = [question, question, PROMPTS[0], PROMPTS[1]]
+    json_output = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=json_output),
+        SamplingParams(temperature=0.7, seed=3, max_tokens=120, structured_outputs=json_output),
+        SamplingParams(temperature=0.0, max_tokens=24,
+                       structured_outputs=StructuredOutputsParams(regex=r"def [a-z_]+\(width: int, height: int\)")),
+        SamplingParams(temperature=0.0, max_tokens=24),
+    ]
+    want = smollm_llm.generate(prompts, params, use_tqdm=False)
+    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    for g in got[:2]:
+        assert g.outputs[0].finish_reason == "stop", g.outputs[0].text
+        jsonschema.validate(json.loads(g.outputs[0].text), schema)
 
 
 def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):

@@ -14,7 +14,8 @@ import torch
 
 from deepbatch.core.request import Request
 from deepbatch.core.sampling_params import SamplingParams
-from deepbatch.sampling.draft_rows import DraftRow, kept_rows, sampling_rows
+from deepbatch.core.draft_row import DraftRow
+from deepbatch.sampling.draft_rows import kept_rows, sampling_rows
 from deepbatch.sampling.sampler import Sampler
 
 LOGITS = [2.0, 1.5, 0.9, 0.5, 0.2, -0.2, -0.9, -1.6]

@@ -11,7 +11,8 @@ import torch
 
 from deepbatch import LLM, SamplingParams
 from deepbatch.core.request import Request
-from deepbatch.sampling.draft_rows import DraftRow, sampling_rows
+from deepbatch.core.draft_row import DraftRow
+from deepbatch.sampling.draft_rows import sampling_rows
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.sampler import Sampler
 

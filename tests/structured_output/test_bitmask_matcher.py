@@ -10,6 +10,7 @@ import torch
 import xgrammar
 
 from deepbatch.core.sampling_params import SamplingParams, StructuredOutputsParams
+from deepbatch.sampling.draft_rows import sampling_rows
 from deepbatch.sampling.pending_sample import SamplerOutput
 from deepbatch.structured_output.bitmask import (_ban_until_min_tokens, apply_bitmask, apply_bitmask_torch,
                                                  apply_grammar_bitmask, unpack_bitmask)
@@ -175,6 +176,40 @@ def test_apply_grammar_bitmask_masks_only_constrained_rows(grammars):
     assert allowed and all(tok.decode([t]).isdigit() for t in allowed)
     assert not torch.isinf(logits[[0, 2, 3]]).any()
     assert broken.error is not None and digits.error is None
+
+
+def test_draft_rows_are_masked_as_the_request_after_each_draft(grammars):
+    """Speculative decoding: draft row ``j`` is masked as the request would be with its first
+    ``j`` drafts taken; rows past a draft the grammar refuses stay unmasked (they are not kept);
+    the matcher is back at the request's newest token afterwards."""
+    cache, tok = grammars
+    vocab = cache.vocab_size
+    grammar = cache.compile(StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}}))
+    output = tok.encode("[1, ", add_special_tokens=False)
+    valid = tok.encode("23, 4", add_special_tokens=False)
+    drafts = valid + tok.encode("x", add_special_tokens=False)[:1] + valid[:1]
+
+    def request(text_ids):
+        return SimpleNamespace(structured_output=StructuredOutputRequest(grammar), output_token_ids=list(text_ids),
+                               num_output_tokens=len(text_ids), num_pending_tokens=0,
+                               sampling_params=SamplingParams(_eos_token_ids=frozenset(cache.stop_token_ids)))
+
+    r = request(output)
+    rows = sampling_rows([r], [(0, drafts)])
+    logits = torch.zeros(len(rows), vocab)
+    masked = apply_grammar_bitmask(logits, rows)
+    by_offset = {row.offset: i for i, row in enumerate(rows)}
+    assert masked == {by_offset[j] for j in range(len(valid) + 1)}
+    for j in range(len(valid) + 1):  # up to the row in place of the refused draft
+        alone = torch.zeros(1, vocab)
+        apply_grammar_bitmask(alone, [request(output + drafts[:j])])
+        assert torch.equal(torch.isinf(logits[by_offset[j]]), torch.isinf(alone[0])), j
+    for j in range(len(valid) + 1, len(drafts) + 1):
+        assert not torch.isinf(logits[by_offset[j]]).any(), j
+    fresh = StructuredOutputRequest(grammar)
+    fresh.advance(output)
+    assert r.structured_output.num_seen == len(output)
+    assert torch.equal(bits(r.structured_output, vocab), bits(fresh, vocab))
 
 
 def test_batched_fill_equals_each_row_alone_and_a_faulty_row_fails_alone(grammars):
