@@ -38,6 +38,17 @@ def spec_llm():
                                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4})
 
 
+def same_tokens_with_drafts(spec_llm, smollm_llm, prompts, params):
+    """The outputs without and with drafts, asserted token for token equal, some drafts accepted."""
+    want = smollm_llm.generate(prompts, params, use_tqdm=False)
+    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    return want, got
+
+
 def test_greedy_output_equals_decoding_without_drafts(spec_llm, smollm_llm):
     want = smollm_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     engine = spec_llm.engine
@@ -87,12 +98,7 @@ def test_seeds_logprobs_and_min_tokens_draft_and_write_what_they_write_without_d
         SamplingParams(temperature=0.9, seed=5, max_tokens=20, logprobs=3, min_tokens=18),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20),
     ]
-    want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
-    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
-    got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    want, got = same_tokens_with_drafts(spec_llm, smollm_llm, PROMPTS, params)
     for i in (1, 2):
         w, g = want[i].outputs[0].logprobs, got[i].outputs[0].logprobs
         assert len(g) == len(w) == len(got[i].outputs[0].token_ids)
@@ -110,12 +116,7 @@ def test_penalised_requests_draft_and_write_what_they_write_without_drafts(spec_
         SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2, max_tokens=24),
         SamplingParams(temperature=0.0, presence_penalty=0.6, max_tokens=24),
     ]
-    want = smollm_llm.generate(PROMPTS, params, use_tqdm=False)
-    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
-    got = spec_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    same_tokens_with_drafts(spec_llm, smollm_llm, PROMPTS, params)
 
 
 def test_structured_outputs_draft_and_write_what_they_write_without_drafts(spec_llm, smollm_llm):
@@ -134,12 +135,7 @@ def test_structured_outputs_draft_and_write_what_they_write_without_drafts(spec_
                        structured_outputs=StructuredOutputsParams(regex=r"def [a-z_]+\(width: int, height: int\)")),
         SamplingParams(temperature=0.0, max_tokens=24),
     ]
-    want = smollm_llm.generate(prompts, params, use_tqdm=False)
-    accepted_before = spec_llm.engine.stats.spec_num_accepted_tokens
-    got = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+    _, got = same_tokens_with_drafts(spec_llm, smollm_llm, prompts, params)
     for g in got[:2]:
         assert g.outputs[0].finish_reason == "stop", g.outputs[0].text
         jsonschema.validate(json.loads(g.outputs[0].text), schema)
