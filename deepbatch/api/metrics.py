@@ -159,7 +159,21 @@ def engine_stats(snap: EngineSnapshot) -> dict:
         "swap_space": {"blocks_total": snap.swap_blocks_total, "free_blocks": snap.swap_free_blocks},
         "gpu_allocator": snap.allocator.as_dict() if snap.allocator is not None else None,
         "prefix_cache": {"queried_tokens": snap.prefix_cache_queries, "hit_tokens": snap.prefix_cache_hits},
+        "spec_decode": _spec_decode_stats(snap.spec_decode),
     }
+
+
+def _spec_decode_stats(counters: tuple[int, int, int, tuple[int, ...]] | None) -> dict | None:
+    """Speculative decoding's counters (null when it is off), with vLLM's two derived figures:
+    the acceptance rate (accepted over draft tokens) and the mean acceptance length (1 + accepted
+    over drafts: the tokens a drafting request gains per step)."""
+    if counters is None:
+        return None
+    drafts, draft_tokens, accepted, per_position = counters
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "accepted_per_position": list(per_position),
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
 
 
 @dataclass

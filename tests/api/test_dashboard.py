@@ -36,8 +36,10 @@ from deepbatch.core.outputs import CompletionOutput, RequestMetrics, RequestOutp
 
 CHROMIUM = find_chromium()
 NO_BROWSER = "Debian's chromium is not installed (scripts/install.sh installs it where apt-get is available)"
-# The SLO controller on, so the page has settings and a frontier to show.
-SERVER = dict(args=["--num-gpu-blocks-override", "256", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500"],
+# The SLO controller on, so the page has settings and a frontier to show; speculative decoding
+# on, so it has a draft acceptance to show.
+SERVER = dict(args=["--num-gpu-blocks-override", "256", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "500",
+                    "--speculative-config", '{"method": "ngram", "prompt_lookup_min": 1}'],
               api_key=API_KEY)
 SERVERS = {"dashboard": SERVER} if CHROMIUM else {}  # only the browser tests use it
 
@@ -252,6 +254,13 @@ def test_charts_hold_the_traffic_the_clients_were_sent(page, shots):
     page.wait_for(lambda: page.js("document.getElementById('t-ttft').textContent") == ttft_text
                   and page.js("document.getElementById('frontier').dataset.rows") == str(len(report["frontier"])),
                   what="the page to show the last report")
+    spec = server.http().get("/stats").json()["spec_decode"]
+    assert spec["num_drafts"] > 0, spec
+    page.wait_for(lambda: not page.js("document.getElementById('tile-spec').hidden")
+                  and page.js("document.getElementById('t-spec').textContent") != "-", what="the draft acceptance")
+    length, rate = page.js("document.getElementById('t-spec').textContent").removesuffix(" %").split(" / ")
+    assert float(length) == pytest.approx(spec["mean_acceptance_length"], abs=0.005 + 1e-9)
+    assert float(rate) == pytest.approx(100 * spec["acceptance_rate"], abs=0.5 + 1e-9)
 
     points = {c: json.loads(page.js(f"document.getElementById('{c}').dataset.series"))
               for c in ("c-requests", "c-kv", "c-throughput", "c-ttft", "c-tpot", "c-controller")}

@@ -71,7 +71,7 @@ def test_greedy_output_equals_decoding_without_drafts(spec_llm, smollm_llm):
 def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from deepbatch.api.metrics import _EngineCollector
+    from deepbatch.api.metrics import _EngineCollector, engine_stats
     from deepbatch.engine.snapshot import EngineSnapshot, take_snapshot
 
     spec_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
@@ -87,6 +87,12 @@ def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
         in text
     first = stats.spec_accepted_per_position[0]
     assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+    # GET /stats (and the dashboard's tile) carry the counters and the two derived figures.
+    shown = engine_stats(snap)["spec_decode"]
+    assert shown["num_accepted_tokens"] == stats.spec_num_accepted_tokens > 0
+    assert shown["acceptance_rate"] == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+    assert shown["mean_acceptance_length"] == 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
+    assert engine_stats(EngineSnapshot())["spec_decode"] is None  # speculation off
 
 
 def test_seeds_logprobs_and_min_tokens_draft_and_write_what_they_write_without_drafts(spec_llm, smollm_llm):

@@ -127,6 +127,11 @@
     setText("t-ttft", `${fmt(ds.ttft_ms.p50, 1)} / ${fmt(ds.ttft_ms.p99, 1)}`);
     setText("t-tpot", `${fmt(ds.tpot_ms.p50, 1)} / ${fmt(ds.tpot_ms.p99, 1)}`);
     setText("t-preempt", fmt(stats.num_preemptions.total));
+    // Speculative decoding, where it is on: tokens a drafting request gains per step, and the
+    // share of draft tokens accepted.
+    const spec = stats.spec_decode;
+    $("tile-spec").hidden = !spec;
+    if (spec) setText("t-spec", `${fmt(spec.mean_acceptance_length, 2)} / ${fmt(pct(spec.acceptance_rate), 0)} %`);
   }
 
   function drawTenants(ds) {
