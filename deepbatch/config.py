@@ -262,6 +262,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     # No speculation in a step that runs more than this many requests (None: never turned off).
     disable_by_batch_size: int | None = None
+    # Cap each step's drafts where the engine's measured step times say they cost more than they
+    # gain (control/spec_cost.py); false: every proposed draft runs. Not one of vLLM's keys.
+    cost_model: bool = True
 
     METHODS = ("ngram",)
 
@@ -299,9 +302,10 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        types = {"method": (str,), "disable_by_batch_size": (int, type(None)), "cost_model": (bool,)}
         for key, v in value.items():
-            want = (str,) if key == "method" else (int, type(None)) if key == "disable_by_batch_size" else (int,)
-            if not isinstance(v, want) or isinstance(v, bool):
+            want = types.get(key, (int,))
+            if not isinstance(v, want) or (isinstance(v, bool) and bool not in want):
                 raise ValueError(f"speculative_config: {key} must be {' or '.join(t.__name__ for t in want)}, "
                                  f"got {v!r}")
         return cls(**value)

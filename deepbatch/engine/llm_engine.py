@@ -46,6 +46,7 @@ from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.control.controller import make_controller
+from deepbatch.control.spec_cost import SpecCostModel
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -102,11 +103,13 @@ class LLMEngine:
                                        fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
         # Speculative decoding drafts from the committed tokens, so its steps are synchronous.
-        self.proposer = None
+        self.proposer = self.spec_cost = None
         if config.speculative_config is not None:
             from deepbatch.spec_decode.ngram import NgramProposer
 
             self.proposer = NgramProposer(config.speculative_config, self.max_model_len)
+            if config.speculative_config.cost_model:
+                self.spec_cost = SpecCostModel(config.speculative_config.num_speculative_tokens)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda"
                                  and self.proposer is None)
@@ -330,6 +333,8 @@ class LLMEngine:
         started = time.monotonic()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+            if self.spec_cost is not None:
+                self.spec_cost.limit(self.scheduler.running)
         out = self.scheduler.schedule()
         for r in out.finished:  # ended by the scheduler: can never fit in the KV cache
             self.outputs.on_finished(r)
@@ -353,6 +358,9 @@ class LLMEngine:
         self.outputs.record_prompt_logprobs(sampled.prompt_logprobs)
         self.outputs.process([s.request for s in out.scheduled if s.samples], sampled.token_ids, sampled.logprobs,
                              sampled.errors, now, result, sampled.token_rows)
+        if self.spec_cost is not None:  # synchronous steps: the step's own time
+            self.spec_cost.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
+                                        self.stats.spec_drafted_per_position, self.stats.spec_accepted_per_position)
         if self.controller is not None:
             # Under async scheduling a step's time runs from the previous commit, not from
             # when it was scheduled (it waited behind the step before it).

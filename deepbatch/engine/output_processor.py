@@ -41,11 +41,13 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_steps: int = 0
     # Speculative decoding (vLLM's spec_decode counters): requests-steps that ran drafts, the
-    # drafts, the accepted ones, and how often draft j was accepted.
+    # drafts, the accepted ones, and how often draft j was accepted; and how often a draft j ran
+    # (the cost model's denominator, control/spec_cost.py).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_drafted_per_position: list[int] = field(default_factory=list)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -136,10 +138,11 @@ class OutputProcessor:
         stats.spec_num_drafts += 1
         stats.spec_num_draft_tokens += num_drafts
         stats.spec_num_accepted_tokens += accepted
-        per_position = stats.spec_accepted_per_position
-        per_position.extend([0] * (accepted - len(per_position)))
-        for j in range(accepted):
-            per_position[j] += 1
+        for per_position, n in ((stats.spec_accepted_per_position, accepted),
+                                (stats.spec_drafted_per_position, num_drafts)):
+            per_position.extend([0] * (n - len(per_position)))
+            for j in range(n):
+                per_position[j] += 1
         r.spec_token_ids = []
         for token, row in zip(tokens, rows):
             self._take(r, token, row, logprobs, now, result)

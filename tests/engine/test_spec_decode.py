@@ -33,9 +33,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 def spec_llm():
     # Small chunks and a small KV pool: prefill chunks share steps with verification, and the
     # four requests cannot all stay resident (preemption by recompute, drafts dropped with it).
+    # Every proposed draft runs (no cost model), so the counts below depend on the tokens alone.
     return LLM(max_model_len=1024, dtype="float32", device="cpu", max_num_batched_tokens=48,
                num_gpu_blocks_override=16, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                               "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+                                                               "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                                               "cost_model": False})
 
 
 def same_tokens_with_drafts(spec_llm, smollm_llm, prompts, params):
@@ -66,6 +68,18 @@ def test_greedy_output_equals_decoding_without_drafts(spec_llm, smollm_llm):
     assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
     assert engine.scheduler.num_preemptions > 0
     assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_blocks
+
+
+def test_the_cost_model_measures_each_step_and_output_is_unchanged(smollm_llm):
+    # The default: a cap chosen per step from the engine's own step times (control/spec_cost.py).
+    llm = LLM(max_model_len=1024, dtype="float32", device="cpu", speculative_config={"method": "ngram"})
+    want = smollm_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    cost, stats = llm.engine.spec_cost, llm.engine.stats
+    assert len(cost.fit.steps) == stats.num_steps and stats.spec_num_drafts > 0
+    assert sum(stats.spec_drafted_per_position) == stats.spec_num_draft_tokens
+    assert cost.drafted[0] > 0 and cost.last_cap is not None
 
 
 def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
@@ -163,6 +177,7 @@ def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):
     ({"method": "mtp"}, "not available yet"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "draft": 1}, "unknown key"),
+    ({"method": "ngram", "cost_model": "yes"}, "cost_model must be bool"),
     ('{"method": "ngram"', "not JSON"),
 ])
 def test_a_bad_speculative_config_is_a_clear_error(config, message):
