@@ -6,7 +6,8 @@ a ``StepMessage`` holding the difference since the last one::
 
     request first scheduled:  all its token ids (the prompt) and all its block ids
     every later step:         num_computed_tokens, num_new_tokens, tokens sampled since
-                              (one per decode), blocks allocated since (one per block_size tokens)
+                              (one per decode, or those kept of a verified run of drafts), blocks
+                              allocated since (one per block_size tokens), the drafts it runs
     after preemption:         num_kept_blocks = 0, then the request's new block ids
     finished / aborted:       its id in finished_req_ids (the mirror is dropped)
     swap copies:              the step's (device block, host slot) pairs, which every rank
@@ -44,6 +45,7 @@ class ScheduledRequestData:
     new_block_ids: list[int]  # appended after truncating to num_kept_blocks
     num_pending_tokens: int = 0  # 1: a sampled token follows whose id is still on the device
     prompt_logprobs_end: int = 0  # Request.prompt_logprobs_end: the rows whose logits every rank computes
+    spec_token_ids: tuple[int, ...] = ()  # the drafts run after the newest token (speculative decoding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class StepMessageBuilder:
             scheduled.append(ScheduledRequestData(
                 r.request_id, r.num_computed_tokens, s.num_new_tokens, r.all_token_ids[num_tokens:num_known],
                 num_blocks, r.block_ids[num_blocks:], r.num_tokens - num_known, r.prompt_logprobs_end,
+                tuple(r.spec_token_ids[:s.num_spec_tokens]),
             ))
             known[r.request_id] = (num_known, len(r.block_ids))
         self._step += 1
@@ -110,7 +113,7 @@ class _MirroredRequest:
     """The fields of a Request that ``ModelRunner.build_batch`` reads."""
 
     __slots__ = ("request_id", "all_token_ids", "num_pending_tokens", "block_ids", "num_computed_tokens",
-                 "prompt_logprobs_end")
+                 "prompt_logprobs_end", "spec_token_ids")
 
     def __init__(self, req_id: str):
         self.request_id = req_id
@@ -119,6 +122,7 @@ class _MirroredRequest:
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
         self.prompt_logprobs_end = 0
+        self.spec_token_ids: list[int] = []  # this step's drafts only: the next message replaces them
 
     @property
     def num_tokens(self) -> int:
@@ -155,6 +159,7 @@ class RequestMirror:
             r.block_ids.extend(d.new_block_ids)
             r.num_computed_tokens = d.num_computed_tokens
             r.prompt_logprobs_end = d.prompt_logprobs_end
+            r.spec_token_ids = list(d.spec_token_ids)
             scheduled.append(ScheduledRequest(r, d.num_new_tokens))  # type: ignore[arg-type]
         return SchedulerOutput(scheduled, blocks_to_swap_out=list(msg.blocks_to_swap_out),
                                blocks_to_swap_in=list(msg.blocks_to_swap_in))

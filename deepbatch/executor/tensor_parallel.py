@@ -189,9 +189,11 @@ class TensorParallelExecutor:
             for inbox in self._workers.inboxes:
                 inbox.put(msg)
             pending = self.runner.launch(out)
-            if any(s.samples for s in out.scheduled):  # the workers' test too (runner/worker.py)
-                # Every rank reads a pending input token from these (async scheduling).
-                self.group.broadcast_from_first(pending.token_ids.long())
+            num_sampled = sum(s.samples for s in out.scheduled)
+            if num_sampled:  # the workers' test too (runner/worker.py)
+                # Every rank reads a pending input token from these (async scheduling); the rows
+                # after them are draft positions (speculative decoding), read by rank 0 alone.
+                self.group.broadcast_from_first(pending.token_ids[:num_sampled].long())
             return pending
 
         return self._guard(step)
