@@ -344,10 +344,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None:
-            # Verification needs each step's tokens on the host before the next step's drafts.
-            if self.async_scheduling:
-                raise ValueError("speculative_config: speculative decoding runs without async_scheduling")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
 

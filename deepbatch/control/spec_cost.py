@@ -69,6 +69,23 @@ class SpecCostModel:
         ``draft_lens`` drafts, beside ``num_decoding`` requests decoding one token each (those
         included) of ``num_seqs`` running."""
         self.num_steps += 1
+        best = self._best_cap(draft_lens, num_decoding, num_seqs)
+        if best == 0 and self.num_steps % EXPLORE_EVERY == 0:
+            return max(draft_lens, default=0)
+        return best
+
+    def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
+        """Under async scheduling, before the drafts are proposed: whether the next step should
+        run drafts (then synchronously; ``choose_cap`` then caps them and counts the step), with
+        every decoding request assumed to propose the full count. A step without drafts counts
+        towards the next exploring one."""
+        lens = [self.max_drafts] * num_decoding
+        if (self.num_steps + 1) % EXPLORE_EVERY == 0 or self._best_cap(lens, num_decoding, num_seqs) > 0:
+            return num_decoding > 0
+        self.num_steps += 1
+        return False
+
+    def _best_cap(self, draft_lens: list[int], num_decoding: int, num_seqs: int) -> int:
         longest = max(draft_lens, default=0)
         coeffs = self.fit.fit()
         if coeffs is None or not longest:
@@ -83,8 +100,6 @@ class SpecCostModel:
             rate = (num_decoding + gain) / coeffs.predict(num_decoding + extra, num_seqs)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self.num_steps % EXPLORE_EVERY == 0:
-            return longest
         return best
 
     def limit(self, running: list) -> None:

@@ -102,7 +102,9 @@ class LLMEngine:
                                        release=self.runner.forget, detokenize=detokenize,
                                        fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
-        # Speculative decoding drafts from the committed tokens, so its steps are synchronous.
+        # Speculative decoding drafts from the committed tokens, so a step with drafts is
+        # synchronous; under async scheduling the steps the cost model keeps free of drafts stay
+        # asynchronous (``_step_async``).
         self.proposer = self.spec_cost = None
         if config.speculative_config is not None:
             from deepbatch.spec_decode.ngram import NgramProposer
@@ -111,8 +113,7 @@ class LLMEngine:
             if config.speculative_config.cost_model:
                 self.spec_cost = SpecCostModel(config.speculative_config.num_speculative_tokens)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda"
-                                 and self.proposer is None)
+                                 else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
         # Launched, not committed: the step, its sampled tokens, when it was scheduled.
         self._inflight: tuple[SchedulerOutput, PendingSample, float] | None = None
         logger.info(
@@ -322,19 +323,43 @@ class LLMEngine:
             self._commit(out, pending, started, result)
 
     def _step_async(self, result: StepResult) -> None:
-        """Launch step N+1, then commit step N: the host's work overlaps the device's."""
-        out, pending, started = self._schedule_and_launch(result)
+        """Launch step N+1, then commit step N: the host's work overlaps the device's. A step
+        that should run drafts (speculative decoding) needs every token committed to propose
+        them and its own tokens committed before the next is scheduled: it runs synchronously,
+        after the step in flight is committed."""
+        if self.proposer is not None and self._wants_drafts():
+            if self._inflight is not None:
+                self._commit(*self._inflight, result)
+                self._inflight = None
+            self._step_sync(result)
+            return
+        out, pending, started = self._schedule_and_launch(result, propose=False)
         if self._inflight is not None:
             self._commit(*self._inflight, result)  # waits for the previous step only
         self.scheduler.advance(out, pending=True)
         self._inflight = (out, pending, started) if pending is not None else None
 
-    def _schedule_and_launch(self, result: StepResult) -> tuple[SchedulerOutput, PendingSample | None, float]:
+    def _wants_drafts(self) -> bool:
+        """Under async scheduling: whether the next step should run drafts (by the cost model;
+        without one, always)."""
+        if self.spec_cost is None:
+            return True
+        running = self.scheduler.running
+        # A request whose newest token is pending decodes next as well.
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
+        return self.spec_cost.wants_drafts(decoding, len(running))
+
+    def _schedule_and_launch(self, result: StepResult,
+                             propose: bool = True) -> tuple[SchedulerOutput, PendingSample | None, float]:
         started = time.monotonic()
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
-            if self.spec_cost is not None:
-                self.spec_cost.limit(self.scheduler.running)
+            if propose:
+                self.proposer.propose(self.scheduler.running)
+                if self.spec_cost is not None:
+                    self.spec_cost.limit(self.scheduler.running)
+            else:  # an asynchronous step: no drafts (the next step is scheduled before its tokens)
+                for r in self.scheduler.running:
+                    r.spec_token_ids = []
         out = self.scheduler.schedule()
         for r in out.finished:  # ended by the scheduler: can never fit in the KV cache
             self.outputs.on_finished(r)
@@ -358,13 +383,13 @@ class LLMEngine:
         self.outputs.record_prompt_logprobs(sampled.prompt_logprobs)
         self.outputs.process([s.request for s in out.scheduled if s.samples], sampled.token_ids, sampled.logprobs,
                              sampled.errors, now, result, sampled.token_rows)
-        if self.spec_cost is not None:  # synchronous steps: the step's own time
+        # Under async scheduling a step's time runs from the previous commit, not from when it
+        # was scheduled (it waited behind the step before it).
+        started = max(started, self._last_commit)
+        self._last_commit = now
+        if self.spec_cost is not None:
             self.spec_cost.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                         self.stats.spec_drafted_per_position, self.stats.spec_accepted_per_position)
         if self.controller is not None:
-            # Under async scheduling a step's time runs from the previous commit, not from
-            # when it was scheduled (it waited behind the step before it).
-            started = max(started, self._last_commit)
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                          result.first_token[first:], result.done[done:])
-            self._last_commit = now

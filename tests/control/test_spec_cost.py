@@ -2,7 +2,7 @@
 fed by hand: every draft runs while nothing is measured; drafts run where a step's time barely
 depends on its tokens and stop where tokens are dear and drafts rarely accepted; the choice is the
 cap that a brute-force count of expected tokens per second picks; one step in ``EXPLORE_EVERY``
-drafts anyway; the counters it reads may be reset."""
+drafts anyway, under async scheduling too; the counters it reads may be reset."""
 
 from __future__ import annotations
 
@@ -74,3 +74,18 @@ def test_limit_cuts_every_requests_drafts_to_the_cap():
     running = [SimpleNamespace(spec_token_ids=[1, 2, 3], num_tokens=10, num_computed_tokens=9) for _ in range(64)]
     dear.limit(running)
     assert dear.last_cap == 0 and all(r.spec_token_ids == [] for r in running)
+
+
+def test_async_steps_stay_free_of_drafts_but_for_the_exploring_ones():
+    """``wants_drafts`` (before an asynchronous step) says no where drafts do not pay, except on
+    the exploring steps; such a step then runs synchronously and ``choose_cap`` lets every draft
+    run, as the engine calls them."""
+    dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
+    caps = []
+    for _ in range(2 * EXPLORE_EVERY):
+        if dear.wants_drafts(num_decoding=64, num_seqs=64):
+            caps.append(dear.choose_cap([4] * 64, 64, 64))
+    assert caps == [4, 4] and dear.num_steps == 2 * EXPLORE_EVERY
+    cheap = fed(0.020, 1e-6, [0.3, 0.2, 0.1, 0.05])
+    assert cheap.wants_drafts(num_decoding=8, num_seqs=8)
+    assert not SpecCostModel(max_drafts=4).wants_drafts(num_decoding=0, num_seqs=3)  # nothing decodes

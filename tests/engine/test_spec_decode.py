@@ -185,6 +185,25 @@ def test_a_bad_speculative_config_is_a_clear_error(config, message):
         LLM(model=None, speculative_config=config)
 
 
-def test_speculative_decoding_asks_for_synchronous_steps():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(model=None, speculative_config={"method": "ngram"}, async_scheduling=True)
+def test_async_steps_without_drafts_and_synchronous_steps_with_them_mix(spec_llm, smollm_llm, monkeypatch):
+    # Under async scheduling a step the cost model keeps free of drafts is launched before the
+    # one in flight is committed; a step with drafts commits that one first and runs alone. Here
+    # the two alternate, through seeds, penalties and a grammar.
+    engine = spec_llm.engine
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    choices = []
+
+    def alternate():
+        choices.append(len(choices) % 3 != 0)
+        return choices[-1]
+
+    monkeypatch.setattr(engine, "_wants_drafts", alternate)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32),
+        SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.2, max_tokens=32),
+        SamplingParams(temperature=0.0, max_tokens=24,
+                       structured_outputs=StructuredOutputsParams(regex=r"def [a-z_]+\(width: int, height: int\)")),
+        SamplingParams(temperature=0.7, seed=9, max_tokens=32, logprobs=1),
+    ]
+    same_tokens_with_drafts(spec_llm, smollm_llm, PROMPTS, params)
+    assert engine._inflight is None and True in choices and False in choices
