@@ -47,7 +47,8 @@ def same_tokens_with_drafts(spec_llm, smollm_llm, prompts, params):
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     assert spec_llm.engine.stats.spec_num_accepted_tokens > accepted_before
     for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs], (g.outputs[0].text,
+                                                                                      w.outputs[0].text)
     return want, got
 
 
@@ -113,7 +114,7 @@ def test_seeds_logprobs_and_min_tokens_draft_and_write_what_they_write_without_d
     # Every draft row is drawn as the request would draw at that output position: a seed's noise
     # and min_tokens' ban follow the position, so a seeded request keeps the same tokens.
     params = [
-        SamplingParams(temperature=0.8, seed=11, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=24, n=2),  # each choice its own stream
         SamplingParams(temperature=0.0, max_tokens=16, logprobs=2),
         SamplingParams(temperature=0.9, seed=5, max_tokens=20, logprobs=3, min_tokens=18),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20),
