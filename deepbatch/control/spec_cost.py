@@ -3,21 +3,23 @@
 A draft costs a step one more token through the model and gains one output token only if it is
 accepted. Where a step's time barely depends on its tokens (small batches on a GPU: reading the
 weights dominates), every draft is nearly free; where it grows with them (a large batch, the GPU's
-compute full), a draft that is accepted rarely costs more than it gains. Before each step, with
-the drafts proposed, this chooses the cap ``k`` on drafts per request that maximizes the expected
-output tokens per second:
+compute full), a draft that is rarely accepted costs more than it gains. Before each step, with
+the drafts proposed, this chooses each request's cap to maximize the expected output tokens per
+second of the step:
 
-    (decoding + sum_r E[accepted | min(k, len_r) drafts]) / t(decoding + sum_r min(k, len_r), seqs)
+    (decoding + sum of the chosen draft positions' acceptance) / t(decoding + chosen positions, seqs)
 
 ``t`` is the step time fitted from the engine's own steps (``step_time.py``: ``a + b * tokens +
-c * seqs``); ``E[accepted | m drafts]`` is the sum over positions ``j < m`` of the measured
-probability that draft ``j`` is accepted (it needs every draft before it accepted too), counted
-from the recent steps with a decay so that a change of workload shows within about a hundred
-steps. ``k = 0`` (no drafts) is chosen when nothing beats the step without them; one step in
-``EXPLORE_EVERY`` runs the drafts anyway, so the acceptance stays measured while speculation is
-off. Until the fit has enough steps, every draft runs. Prefill chunks sharing the step are left
-out of ``t``'s tokens, which makes drafts look dearer than they are: the model errs towards
-turning speculation off.
+c * seqs``), so a position costs ``b``. A position's acceptance is the probability that the
+request's draft there is accepted (with every draft before it): the engine-wide figure per
+position, counted over the recent steps with a decay so that a change of workload shows within
+about a hundred steps, moved towards the request's own record as it drafts (a request that copies
+its prompt keeps drafting beside one that never does). The best set of positions is taken in
+falling acceptance while each gains more than the step's rate times its cost. No drafts at all
+when none pays; one step in ``EXPLORE_EVERY`` runs them anyway, so the acceptance stays measured
+while speculation is off. Until the fit has enough steps, every draft runs. Prefill chunks sharing
+the step are left out of ``t``'s tokens, which makes drafts look dearer than they are: the model
+errs towards turning speculation off.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ EXPLORE_EVERY = 32
 DECAY = 0.99
 # Before any draft at a position was seen: one accepted in two drafted.
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 0.5, 1.0
+# How many drafts the engine-wide acceptance weighs against one request's own.
+REQUEST_PRIOR = 4.0
 
 
 class SpecCostModel:
@@ -40,7 +44,7 @@ class SpecCostModel:
         self.accepted = [0.0] * max_drafts  # decayed of those, the accepted ones
         self._seen = ([0] * max_drafts, [0] * max_drafts)  # the engine's cumulative counters, last read
         self.num_steps = 0
-        self.last_cap: int | None = None  # for the tests and the logs
+        self.last_caps: list[int] | None = None  # the last step's, for the tests
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -64,21 +68,11 @@ class SpecCostModel:
 
     # -- the decision --------------------------------------------------------------------------
 
-    def choose_cap(self, draft_lens: list[int], num_decoding: int, num_seqs: int) -> int:
-        """The cap on drafts per request for a step whose drafting requests proposed
-        ``draft_lens`` drafts, beside ``num_decoding`` requests decoding one token each (those
-        included) of ``num_seqs`` running."""
-        self.num_steps += 1
-        best = self._best_cap(draft_lens, num_decoding, num_seqs)
-        if best == 0 and self.num_steps % EXPLORE_EVERY == 0:
-            return max(draft_lens, default=0)
-        return best
-
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
         """Under async scheduling, before the drafts are proposed: whether the next step should
-        run drafts (then synchronously; ``choose_cap`` then caps them and counts the step), with
-        every decoding request assumed to propose the full count. A step without drafts counts
-        towards the next exploring one."""
+        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step), with
+        every decoding request assumed to propose the full count at the engine-wide acceptance.
+        A step without drafts counts towards the next exploring one."""
         lens = [self.max_drafts] * num_decoding
         if (self.num_steps + 1) % EXPLORE_EVERY == 0 or self._best_cap(lens, num_decoding, num_seqs) > 0:
             return num_decoding > 0
@@ -86,6 +80,7 @@ class SpecCostModel:
         return False
 
     def _best_cap(self, draft_lens: list[int], num_decoding: int, num_seqs: int) -> int:
+        """The one cap for every request that maximizes the expected tokens per second."""
         longest = max(draft_lens, default=0)
         coeffs = self.fit.fit()
         if coeffs is None or not longest:
@@ -102,14 +97,51 @@ class SpecCostModel:
                 best, best_rate = k, rate
         return best
 
+    def request_acceptance(self, r) -> list[float]:
+        """Per position j, the probability that request ``r``'s draft j is accepted: its own
+        counts (``Request.spec_drafted``, ``spec_accepted``) with the engine-wide figure weighing
+        as ``REQUEST_PRIOR`` drafts, so a request's first drafts are judged by everyone's and a
+        request that copies (or never does) soon by its own. Never rising with j."""
+        out, last = [], 1.0
+        for j, p in enumerate(self.acceptance()):
+            drafted = r.spec_drafted[j] if j < len(r.spec_drafted) else 0
+            accepted = r.spec_accepted[j] if j < len(r.spec_accepted) else 0
+            last = min(last, (accepted + REQUEST_PRIOR * p) / (drafted + REQUEST_PRIOR))
+            out.append(last)
+        return out
+
+    def choose_caps(self, acceptance: list[list[float]], draft_lens: list[int], num_decoding: int,
+                    num_seqs: int) -> list[int]:
+        """Each drafting request's cap, from its acceptance per position and its proposed count.
+        A draft position costs ``b`` (the fit's seconds per token) and gains its probability of
+        being accepted, so the best set takes the positions in falling probability while each
+        gains more than the step's tokens per second times what it costs."""
+        self.num_steps += 1
+        coeffs = self.fit.fit()
+        if coeffs is None:
+            return list(draft_lens)
+        gain, seconds = float(num_decoding), coeffs.predict(num_decoding, num_seqs)
+        positions = sorted(((p[j], j, i) for i, (p, n) in enumerate(zip(acceptance, draft_lens))
+                            for j in range(min(n, len(p)))), key=lambda x: (-x[0], x[1]))
+        caps = [0] * len(draft_lens)
+        for q, _, i in positions:  # a request's positions come in order: its probabilities fall
+            if q * seconds <= gain * coeffs.b:
+                break
+            caps[i] += 1
+            gain, seconds = gain + q, seconds + coeffs.b
+        if not any(caps) and self.num_steps % EXPLORE_EVERY == 0:
+            return list(draft_lens)
+        return caps
+
     def limit(self, running: list) -> None:
-        """Cut every running request's ``spec_token_ids`` to the cap chosen for this step."""
-        lens = [len(r.spec_token_ids) for r in running if r.spec_token_ids]
-        if not lens:
+        """Cut each running request's ``spec_token_ids`` to the cap chosen for it this step."""
+        drafting = [r for r in running if r.spec_token_ids]
+        if not drafting:
             return
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        self.last_cap = cap = self.choose_cap(lens, decoding, len(running))
-        for r in running:
+        self.last_caps = self.choose_caps([self.request_acceptance(r) for r in drafting],
+                                          [len(r.spec_token_ids) for r in drafting], decoding, len(running))
+        for r, cap in zip(drafting, self.last_caps):
             del r.spec_token_ids[cap:]
 
 

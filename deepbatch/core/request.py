@@ -79,6 +79,10 @@ class Request:
     # Speculative decoding: the tokens drafted for the next step (``spec_decode/``), run after the
     # newest token and verified by the sampler; never part of the id lists until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Per draft position j: how often this request ran a draft there, and how often it was
+    # accepted (with the drafts before it); the cost model's view of this request.
+    spec_drafted: list[int] = field(default_factory=list)
+    spec_accepted: list[int] = field(default_factory=list)
     # Per-token logprobs (CompletionOutput's shape): {token_id: Logprob}, the sampled token first;
     # kept as rows of the steps' tables until read (``core/logprobs.py``).
     logprobs: SampleLogprobs | None = None

@@ -139,7 +139,8 @@ class OutputProcessor:
         stats.spec_num_draft_tokens += num_drafts
         stats.spec_num_accepted_tokens += accepted
         for per_position, n in ((stats.spec_accepted_per_position, accepted),
-                                (stats.spec_drafted_per_position, num_drafts)):
+                                (stats.spec_drafted_per_position, num_drafts),
+                                (r.spec_accepted, accepted), (r.spec_drafted, num_drafts)):
             per_position.extend([0] * (n - len(per_position)))
             for j in range(n):
                 per_position[j] += 1

@@ -1,11 +1,13 @@
 """Speculative decoding's cost model (``control/spec_cost.py``) on step times and acceptance it is
 fed by hand: every draft runs while nothing is measured; drafts run where a step's time barely
-depends on its tokens and stop where tokens are dear and drafts rarely accepted; the choice is the
-cap that a brute-force count of expected tokens per second picks; one step in ``EXPLORE_EVERY``
-drafts anyway, under async scheduling too; the counters it reads may be reset."""
+depends on its tokens and stop where tokens are dear and drafts rarely accepted; each request's cap
+is the best of every possible assignment (counted exhaustively); a request's own record moves its
+acceptance; one step in ``EXPLORE_EVERY`` drafts anyway, under async scheduling too; the counters
+it reads may be reset."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -26,39 +28,63 @@ def fed(a: float, b: float, acceptance: list[float], drafts: int = 1000) -> Spec
     return model
 
 
-def expected_rate(a, b, acceptance, k, lens, decoding):
-    gain = sum(sum(acceptance[:min(k, n)]) for n in lens)
-    return (decoding + gain) / (a + b * (decoding + sum(min(k, n) for n in lens)))
+def rate(a, b, acceptance, caps, decoding):
+    """Expected output tokens per second of a step with these caps (the model's objective)."""
+    gain = sum(sum(p[:k]) for p, k in zip(acceptance, caps))
+    return (decoding + gain) / (a + b * (decoding + sum(caps)))
+
+
+def request(drafted: list[int], accepted: list[int], drafts: int = 4):
+    return SimpleNamespace(spec_drafted=drafted, spec_accepted=accepted, spec_token_ids=list(range(drafts)),
+                           num_tokens=10, num_computed_tokens=9)
 
 
 def test_every_draft_runs_until_steps_are_measured():
     model = SpecCostModel(max_drafts=4)
-    assert model.choose_cap([4, 2], num_decoding=2, num_seqs=2) == 4
+    assert model.choose_caps([[0.5] * 4] * 2, [4, 2], num_decoding=2, num_seqs=2) == [4, 2]
 
 
 def test_drafts_run_where_tokens_are_cheap_and_stop_where_they_are_dear_and_rarely_accepted():
     # A step of 20 ms whatever its tokens (the weights' read dominates): drafts are free.
     cheap = fed(0.020, 1e-6, [0.3, 0.2, 0.1, 0.05])
-    assert cheap.choose_cap([4] * 8, num_decoding=8, num_seqs=8) == 4
+    assert cheap.choose_caps([cheap.acceptance()] * 8, [4] * 8, num_decoding=8, num_seqs=8) == [4] * 8
     # 1 ms a token and drafts rarely accepted (a full batch on compute): none.
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
-    assert dear.choose_cap([4] * 64, num_decoding=64, num_seqs=64) == 0
+    assert dear.choose_caps([dear.acceptance()] * 64, [4] * 64, num_decoding=64, num_seqs=64) == [0] * 64
 
 
-@pytest.mark.parametrize("b", [1e-5, 1e-4, 3e-4, 1e-3])
-def test_the_cap_is_the_best_by_a_brute_force_count(b):
-    a, acceptance = 0.010, [0.8, 0.6, 0.45, 0.3]
-    model = fed(a, b, acceptance, drafts=100_000)
-    lens, decoding = [4, 4, 3, 1, 2, 4], 10
-    rates = [expected_rate(a, b, model.acceptance(), k, lens, decoding) for k in range(5)]
-    assert model.choose_cap(lens, decoding, decoding) == max(range(5), key=lambda k: (rates[k], -k))
-    assert model.acceptance() == pytest.approx(acceptance, abs=1e-3)
+@pytest.mark.parametrize("b", [1e-5, 1e-4, 3e-4, 1e-3, 3e-3])
+def test_the_caps_are_the_best_of_every_assignment(b):
+    a = 0.010
+    model = fed(a, b, [0.8, 0.6, 0.45, 0.3], drafts=100_000)
+    acceptance = [[0.9, 0.8, 0.7, 0.6], [0.5, 0.3, 0.1, 0.05], [0.7, 0.7, 0.2, 0.2], [0.2, 0.1, 0.0, 0.0]]
+    lens, decoding = [4, 3, 4, 2], 6
+    caps = model.choose_caps(acceptance, lens, decoding, decoding)
+    best = max(rate(a, b, acceptance, c, decoding) for c in itertools.product(*(range(n + 1) for n in lens)))
+    assert rate(a, b, acceptance, caps, decoding) == pytest.approx(best, rel=1e-6), caps
+    assert all(0 <= c <= n for c, n in zip(caps, lens))
+    assert model.acceptance() == pytest.approx([0.8, 0.6, 0.45, 0.3], abs=1e-3)
+
+
+def test_a_requests_own_record_moves_its_acceptance():
+    model = fed(0.010, 3e-4, [0.5, 0.4, 0.3, 0.2])
+    fresh = model.request_acceptance(request([], []))
+    assert fresh == pytest.approx(model.acceptance())
+    copier = model.request_acceptance(request([40] * 4, [38, 36, 34, 32]))
+    never = model.request_acceptance(request([40] * 4, [0] * 4))
+    assert all(c > 0.7 for c in copier) and all(n < 0.1 for n in never)
+    assert all(x >= y for x, y in zip(copier, copier[1:]))  # never rising with the position
+    # In one step the copier keeps its drafts and the other loses them.
+    running = [request([40] * 4, [38, 36, 34, 32]), request([40] * 4, [0] * 4)]
+    model.limit(running)
+    assert model.last_caps[0] == 4 and model.last_caps[1] == 0
+    assert [len(r.spec_token_ids) for r in running] == model.last_caps
 
 
 def test_one_step_in_explore_every_drafts_while_the_model_says_no():
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
-    caps = [dear.choose_cap([3] * 64, 64, 64) for _ in range(2 * EXPLORE_EVERY)]
-    assert caps.count(3) == 2 and caps.count(0) == 2 * EXPLORE_EVERY - 2
+    caps = [dear.choose_caps([dear.acceptance()] * 64, [3] * 64, 64, 64) for _ in range(2 * EXPLORE_EVERY)]
+    assert caps.count([3] * 64) == 2 and caps.count([0] * 64) == 2 * EXPLORE_EVERY - 2
 
 
 def test_counters_read_after_a_reset_count_whole():
@@ -69,23 +95,16 @@ def test_counters_read_after_a_reset_count_whole():
     assert min(model.accepted) > 0
 
 
-def test_limit_cuts_every_requests_drafts_to_the_cap():
-    dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
-    running = [SimpleNamespace(spec_token_ids=[1, 2, 3], num_tokens=10, num_computed_tokens=9) for _ in range(64)]
-    dear.limit(running)
-    assert dear.last_cap == 0 and all(r.spec_token_ids == [] for r in running)
-
-
 def test_async_steps_stay_free_of_drafts_but_for_the_exploring_ones():
     """``wants_drafts`` (before an asynchronous step) says no where drafts do not pay, except on
-    the exploring steps; such a step then runs synchronously and ``choose_cap`` lets every draft
+    the exploring steps; such a step then runs synchronously and ``choose_caps`` lets every draft
     run, as the engine calls them."""
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
     caps = []
     for _ in range(2 * EXPLORE_EVERY):
         if dear.wants_drafts(num_decoding=64, num_seqs=64):
-            caps.append(dear.choose_cap([4] * 64, 64, 64))
-    assert caps == [4, 4] and dear.num_steps == 2 * EXPLORE_EVERY
+            caps.append(dear.choose_caps([dear.acceptance()] * 64, [4] * 64, 64, 64))
+    assert caps == [[4] * 64] * 2 and dear.num_steps == 2 * EXPLORE_EVERY
     cheap = fed(0.020, 1e-6, [0.3, 0.2, 0.1, 0.05])
     assert cheap.wants_drafts(num_decoding=8, num_seqs=8)
     assert not SpecCostModel(max_drafts=4).wants_drafts(num_decoding=0, num_seqs=3)  # nothing decodes

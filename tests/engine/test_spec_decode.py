@@ -80,7 +80,7 @@ def test_the_cost_model_measures_each_step_and_output_is_unchanged(smollm_llm):
     cost, stats = llm.engine.spec_cost, llm.engine.stats
     assert len(cost.fit.steps) == stats.num_steps and stats.spec_num_drafts > 0
     assert sum(stats.spec_drafted_per_position) == stats.spec_num_draft_tokens
-    assert cost.drafted[0] > 0 and cost.last_cap is not None
+    assert cost.drafted[0] > 0 and cost.last_caps is not None
 
 
 def test_the_counters_reach_the_metrics_with_vllms_names(spec_llm):
