@@ -70,40 +70,28 @@ class SpecCostModel:
 
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
         """Under async scheduling, before the drafts are proposed: whether the next step should
-        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step), with
-        every decoding request assumed to propose the full count at the engine-wide acceptance.
-        A step without drafts counts towards the next exploring one."""
-        lens = [self.max_drafts] * num_decoding
-        if (self.num_steps + 1) % EXPLORE_EVERY == 0 or self._best_cap(lens, num_decoding, num_seqs) > 0:
-            return num_decoding > 0
+        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step). At
+        the engine-wide acceptance some draft pays exactly when the likeliest position does, the
+        first that ``choose_caps`` would take. A step without drafts counts towards the next
+        exploring one."""
+        if num_decoding == 0:
+            return False
+        coeffs = self.fit.fit()
+        if (coeffs is None or (self.num_steps + 1) % EXPLORE_EVERY == 0
+                or _pays(max(self.acceptance()), float(num_decoding), coeffs.predict(num_decoding, num_seqs),
+                         coeffs.b)):
+            return True
         self.num_steps += 1
         return False
 
-    def _best_cap(self, draft_lens: list[int], num_decoding: int, num_seqs: int) -> int:
-        """The one cap for every request that maximizes the expected tokens per second."""
-        longest = max(draft_lens, default=0)
-        coeffs = self.fit.fit()
-        if coeffs is None or not longest:
-            return longest
-        gained = [0.0]
-        for p in self.acceptance():
-            gained.append(gained[-1] + p)
-        best, best_rate = 0, num_decoding / coeffs.predict(num_decoding, num_seqs)
-        for k in range(1, longest + 1):
-            extra = sum(min(k, n) for n in draft_lens)
-            gain = sum(gained[min(k, n, self.max_drafts)] for n in draft_lens)
-            rate = (num_decoding + gain) / coeffs.predict(num_decoding + extra, num_seqs)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
-
-    def request_acceptance(self, r) -> list[float]:
+    def request_acceptance(self, r, engine_wide: list[float] | None = None) -> list[float]:
         """Per position j, the probability that request ``r``'s draft j is accepted: its own
-        counts (``Request.spec_drafted``, ``spec_accepted``) with the engine-wide figure weighing
-        as ``REQUEST_PRIOR`` drafts, so a request's first drafts are judged by everyone's and a
+        counts (``Request.spec_drafted``, ``spec_accepted``) with the engine-wide figure
+        (``acceptance()``, or ``engine_wide`` when the caller has it) weighing as
+        ``REQUEST_PRIOR`` drafts, so a request's first drafts are judged by everyone's and a
         request that copies (or never does) soon by its own. Never rising with j."""
         out, last = [], 1.0
-        for j, p in enumerate(self.acceptance()):
+        for j, p in enumerate(engine_wide if engine_wide is not None else self.acceptance()):
             drafted = r.spec_drafted[j] if j < len(r.spec_drafted) else 0
             accepted = r.spec_accepted[j] if j < len(r.spec_accepted) else 0
             last = min(last, (accepted + REQUEST_PRIOR * p) / (drafted + REQUEST_PRIOR))
@@ -125,7 +113,7 @@ class SpecCostModel:
                             for j in range(min(n, len(p)))), key=lambda x: (-x[0], x[1]))
         caps = [0] * len(draft_lens)
         for q, _, i in positions:  # a request's positions come in order: its probabilities fall
-            if q * seconds <= gain * coeffs.b:
+            if not _pays(q, gain, seconds, coeffs.b):
                 break
             caps[i] += 1
             gain, seconds = gain + q, seconds + coeffs.b
@@ -139,7 +127,8 @@ class SpecCostModel:
         if not drafting:
             return
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        self.last_caps = self.choose_caps([self.request_acceptance(r) for r in drafting],
+        engine_wide = self.acceptance()
+        self.last_caps = self.choose_caps([self.request_acceptance(r, engine_wide) for r in drafting],
                                           [len(r.spec_token_ids) for r in drafting], decoding, len(running))
         for r, cap in zip(drafting, self.last_caps):
             del r.spec_token_ids[cap:]
@@ -147,3 +136,9 @@ class SpecCostModel:
 
 def _new(count: int, last: int) -> int:
     return count - last if count >= last else count
+
+
+def _pays(acceptance: float, tokens: float, seconds: float, seconds_per_token: float) -> bool:
+    """Whether a draft position accepted with this probability raises a step's expected tokens
+    per second (``tokens`` in ``seconds`` so far; the position costs ``seconds_per_token``)."""
+    return acceptance * seconds > tokens * seconds_per_token

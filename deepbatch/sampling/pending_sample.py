@@ -113,9 +113,10 @@ class PendingSample:
             if self._drafts is not None:
                 n, drafts = self._drafts
                 token_rows = kept_rows(token_ids, n, drafts)
-                owners = draft_row_owners(n, drafts)
-                for i in [i for i in errors if i >= n]:
-                    errors.setdefault(owners[i], errors.pop(i))
+                if any(i >= n for i in errors):
+                    owners = draft_row_owners(n, drafts)
+                    for i in [i for i in errors if i >= n]:
+                        errors.setdefault(owners[i], errors.pop(i))
                 tokens = token_ids
                 token_ids = tokens[:n]
                 for row, rows in token_rows.items():

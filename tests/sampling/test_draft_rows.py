@@ -16,6 +16,7 @@ from deepbatch.core.request import Request
 from deepbatch.core.sampling_params import SamplingParams
 from deepbatch.core.draft_row import DraftRow
 from deepbatch.sampling.draft_rows import kept_rows, sampling_rows
+from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.sampler import Sampler
 
 LOGITS = [2.0, 1.5, 0.9, 0.5, 0.2, -0.2, -0.9, -1.6]
@@ -105,3 +106,15 @@ def test_a_seeded_draft_row_draws_what_the_request_draws_at_that_position():
             later.append_output_token(5)
         alone.append(sampler.sample(logits[:1], [later]).resolve().token_ids[0])
     assert drawn == [alone[2], alone[0], alone[1]]
+
+
+def test_a_draft_rows_fault_is_its_requests_and_the_others_keep_their_tokens():
+    # Rows: request 0 (past its drafts), request 1, then request 0's two draft rows.
+    pending = PendingSample(torch.tensor([9, 4, 5, 8]), None, [SamplingParams()] * 4, errors={3: "boom"})
+    pending.attach_drafts(2, [(0, [5, 6])])
+    out = pending.resolve()
+    assert out.errors == {0: "boom"} and out.token_ids[1] == 4
+    ok = PendingSample(torch.tensor([9, 4, 5, 6]), None, [SamplingParams()] * 4)
+    ok.attach_drafts(2, [(0, [5, 6])])
+    out = ok.resolve()
+    assert out.errors is None and out.token_ids == [[5, 6, 9], 4] and out.token_rows == {0: [2, 3, 0]}
