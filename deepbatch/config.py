@@ -254,25 +254,33 @@ class SpeculativeConfig:
 
     ``ngram`` (prompt lookup): the drafts are the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens in its own prompt and output, for the largest n in
-    [prompt_lookup_min, prompt_lookup_max] that occurs; no extra weights."""
+    [prompt_lookup_min, prompt_lookup_max] that occurs; no extra weights.
+
+    ``draft_model``: a small model sharing the target's tokenizer (``model``: a .gguf file, an
+    HF directory, or a config.json for random weights) drafts greedily, with a KV cache of its own
+    beside the target's."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model (method draft_model)
     # No speculation in a step that runs more than this many requests (None: never turned off).
     disable_by_batch_size: int | None = None
     # Cap each step's drafts where the engine's measured step times say they cost more than they
     # gain (control/spec_cost.py); false: every proposed draft runs. Not one of vLLM's keys.
     cost_model: bool = True
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model")
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
-            planned = " (not available yet)" if self.method in ("mtp", "draft_model", "eagle") else ""
+            planned = " (not available yet)" if self.method in ("mtp", "eagle") else ""
             raise ValueError(f"speculative_config: method {self.method!r}{planned}; choose one of "
                              f"{', '.join(self.METHODS)}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method draft_model needs a \"model\" (the draft) and only it reads "
+                             f"one; got method {self.method!r} with model {self.model!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"speculative_config: num_speculative_tokens must be in [1, 16], got "
                              f"{self.num_speculative_tokens}")
@@ -302,7 +310,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        types = {"method": (str,), "disable_by_batch_size": (int, type(None)), "cost_model": (bool,)}
+        types = {"method": (str,), "model": (str,), "disable_by_batch_size": (int, type(None)), "cost_model": (bool,)}
         for key, v in value.items():
             want = types.get(key, (int,))
             if not isinstance(v, want) or (isinstance(v, bool) and bool not in want):
@@ -330,7 +338,8 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     speculative_config: SpeculativeConfig | None = arg(
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": null}",
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": null}, or "
+              "{\"method\": \"draft_model\", \"model\": \"path/to/draft\", \"num_speculative_tokens\": 4}",
         type=SpeculativeConfig.parse)
     # Shows that a fault inside one request's sampling ends that request alone.
     fault_inject_sample_request: str | None = internal(
@@ -344,6 +353,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method draft_model runs in one process; use tensor_parallel_size 1 "
+                             "or method ngram")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
 

@@ -77,7 +77,15 @@ class LLMEngine:
             model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
             self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.runner.calibrate_kv_scales()  # fp8 scales the checkpoint lacks, if asked; before any graph
-        self.num_blocks = self.runner.profile_num_blocks()
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from deepbatch.runner.draft_model_runner import DraftModelRunner
+
+            # Built before the pool is sized: its weights count as used memory, and each target
+            # block is sized with its draft block beside it.
+            draft = DraftModelRunner(config, self.hf_config, self.tokenizer, self.max_model_len)
+        self.num_blocks = self.runner.profile_num_blocks(draft.kv_bytes_per_block() if draft is not None else 0)
         swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -99,19 +107,25 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.stats,
-                                       release=self.runner.forget, detokenize=detokenize,
+                                       release=self._forget, detokenize=detokenize,
                                        fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
         # Speculative decoding drafts from the committed tokens, so a step with drafts is
         # synchronous; under async scheduling the steps the cost model keeps free of drafts stay
         # asynchronous (``_step_async``).
         self.proposer = self.spec_cost = None
-        if config.speculative_config is not None:
+        if draft is not None:
+            from deepbatch.spec_decode.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(spec, draft, self.max_model_len,
+                                               config.scheduler.max_num_batched_tokens)
+            self.proposer.init_kv_cache(self.num_blocks)
+        elif spec is not None:
             from deepbatch.spec_decode.ngram import NgramProposer
 
-            self.proposer = NgramProposer(config.speculative_config, self.max_model_len)
-            if config.speculative_config.cost_model:
-                self.spec_cost = SpecCostModel(config.speculative_config.num_speculative_tokens)
+            self.proposer = NgramProposer(spec, self.max_model_len)
+        if spec is not None and spec.cost_model:
+            self.spec_cost = SpecCostModel(spec.num_speculative_tokens)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else config.parallel.tensor_parallel_size == 1 and self.runner.device.type == "cuda")
         # Launched, not committed: the step, its sampled tokens, when it was scheduled.
@@ -121,6 +135,12 @@ class LLMEngine:
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
             self.runner.describe_kv_cache(), self.runner.kv_bytes_per_block() / 1024,
         )
+
+    def _forget(self, request_id: str) -> None:
+        """A request ended: drop its state in the runner and the proposer (a draft model's cache)."""
+        self.runner.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _swap_cost_model(self) -> tuple[int, SwapCostModel] | None:
         """Host blocks and cost model for ``swap_space`` (None when it is 0). Refuses a swap space
@@ -354,9 +374,7 @@ class LLMEngine:
         started = time.monotonic()
         if self.proposer is not None:
             if propose:
-                self.proposer.propose(self.scheduler.running)
-                if self.spec_cost is not None:
-                    self.spec_cost.limit(self.scheduler.running)
+                self.proposer.propose(self.scheduler.running, self.spec_cost)
             else:  # an asynchronous step: no drafts (the next step is scheduled before its tokens)
                 for r in self.scheduler.running:
                     r.spec_token_ids = []

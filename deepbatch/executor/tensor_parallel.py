@@ -137,9 +137,10 @@ class TensorParallelExecutor:
         """Every rank measures its heads' K/V; the ranks store with the largest (the scales of one process)."""
         self._guard(lambda: self.runner.calibrate_kv_scales(self.group.all_reduce_max))
 
-    def profile_num_blocks(self) -> int:
-        """The smallest count any rank can hold: block ids mean the same slots on every rank."""
-        return self._guard(lambda: self.group.all_reduce_min(self.runner.profile_num_blocks()))
+    def profile_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """The smallest count any rank can hold: block ids mean the same slots on every rank.
+        ``extra_bytes_per_block`` is rank 0's alone (a draft model runs in its process)."""
+        return self._guard(lambda: self.group.all_reduce_min(self.runner.profile_num_blocks(extra_bytes_per_block)))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)

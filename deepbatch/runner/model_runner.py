@@ -120,12 +120,13 @@ class ModelRunner:
         absmax = measure_kv_absmax(layers, lambda: self._dummy_forward(n, ids, cache_dtype=self.dtype), self.device)
         set_kv_scales(layers, absmax if all_reduce_max is None else all_reduce_max(absmax), self.kv_cache_dtype)
 
-    def profile_num_blocks(self) -> int:
+    def profile_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
         """How many KV blocks fit: the override if set; on a GPU, what ``gpu_memory_utilization``
         leaves after weights and the peak activation of a forward at the largest batch; on the
-        CPU, the fixed ``cpu_kv_cache_bytes`` budget (capped to what the limits can use)."""
+        CPU, the fixed ``cpu_kv_cache_bytes`` budget (capped to what the limits can use). Each
+        block is counted with ``extra_bytes_per_block`` beside it (a draft model's block)."""
         cache = self.config.cache
-        per_block = self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block() + extra_bytes_per_block
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         if self.device.type == "cuda":

@@ -66,17 +66,24 @@ class NgramProposer:
         # converted whole every step would cost as much as the search).
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}
 
-    def propose(self, running: list) -> None:
-        """Set ``spec_token_ids`` of every running request (empty where it does not draft)."""
+    def propose(self, running: list, spec_cost=None) -> None:
+        """Set ``spec_token_ids`` of every running request (empty where it does not draft),
+        each capped by ``spec_cost`` (``control/spec_cost.py``) when given."""
         cfg = self.config
         off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
         for r in running:
             k = 0 if off else self._room(r)
             r.spec_token_ids = propose_ngram(self._array(r), cfg.prompt_lookup_min,
                                              cfg.prompt_lookup_max, k) if k else []
-        if len(self._tokens) > 2 * len(running) + 64:  # ended requests' arrays
+        if spec_cost is not None:
+            spec_cost.limit(running)
+        if len(self._tokens) > 2 * len(running) + 64:  # preempted requests' arrays
             ids = {r.request_id for r in running}
             self._tokens = {i: v for i, v in self._tokens.items() if i in ids}
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its token array."""
+        self._tokens.pop(request_id, None)
 
     def _array(self, r) -> np.ndarray:
         buf, n = self._tokens.get(r.request_id, (None, 0))

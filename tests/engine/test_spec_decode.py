@@ -14,6 +14,7 @@ import pytest
 
 from deepbatch import LLM, SamplingParams
 from deepbatch.core.sampling_params import StructuredOutputsParams
+from spec_steps_common import alternate_draft_steps
 
 CODE = ("def area(width, height):\n    return width * height\n\n"
         "def perimeter(width, height):\n    return 2 * (width + height)\n\n")
@@ -191,14 +192,7 @@ def test_async_steps_without_drafts_and_synchronous_steps_with_them_mix(spec_llm
     # one in flight is committed; a step with drafts commits that one first and runs alone. Here
     # the two alternate, through seeds, penalties and a grammar.
     engine = spec_llm.engine
-    monkeypatch.setattr(engine, "async_scheduling", True)
-    choices = []
-
-    def alternate():
-        choices.append(len(choices) % 3 != 0)
-        return choices[-1]
-
-    monkeypatch.setattr(engine, "_wants_drafts", alternate)
+    choices = alternate_draft_steps(engine, monkeypatch)
     params = [
         SamplingParams(temperature=0.0, max_tokens=32),
         SamplingParams(temperature=0.8, seed=5, repetition_penalty=1.2, max_tokens=32),

@@ -1,0 +1,128 @@
+"""The draft model of speculative decoding (``method: draft_model``): its weights, its paged KV
+cache and one greedy forward over packed sequences.
+
+The draft is a small model sharing the target's tokenizer (SmolLM2-135M drafting a larger
+SmolLM2 or Llama; a Qwen2.5-0.5B drafting a Qwen2.5-7B). Its cache has the same number of blocks
+as the target's, each holding what the draft's layers keep per token; the engine sizes the
+target's pool with those bytes included, so the two together fit the memory budget. Block ids of
+the two pools are unrelated: which request holds which draft block is the proposer's business
+(``spec_decode/draft_model.py``). The cache stores the model dtype (no 8-bit draft cache: the
+draft's bytes per token are small beside the target's).
+
+Drafts are the draft's argmax. Verification draws every position as the request would
+(``sampling/draft_rows.py``), so the method is lossless whatever the drafts; a greedy draft is
+the likeliest to match a greedy target, and for sampled requests the draws decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from deepbatch.config import EngineConfig
+from deepbatch.core.forward_batch import ForwardBatch
+from deepbatch.layers.attention import make_backend
+from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def check_vocabularies(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int,
+                       draft_name: str) -> None:
+    """A draft whose token ids mean other strings than the target's cannot draft for it: refuse
+    it at start-up. Where both ship a tokenizer they must map every token to the same id; where
+    either has none, the embedding widths must agree. Widths may differ with equal tokenizers
+    (checkpoints pad their embeddings differently): only the ids both share are drafted."""
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        target, draft = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if target != draft:
+            differ = sum(1 for t, i in target.items() if draft.get(t) != i) + len(set(draft) - set(target))
+            raise ValueError(f"speculative_config: the draft model {draft_name!r} has another vocabulary than the "
+                             f"target ({differ} of {len(target)} tokens differ); a draft must share the "
+                             f"target's tokenizer")
+    elif draft_vocab != target_vocab:
+        raise ValueError(f"speculative_config: the draft model {draft_name!r} has {draft_vocab} token ids and the "
+                         f"target {target_vocab}; a draft must share the target's tokenizer")
+
+
+class DraftModelRunner:
+    def __init__(self, config: EngineConfig, target_hf_config, target_tokenizer, max_model_len: int):
+        spec = config.speculative_config
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        model_config = dataclasses.replace(config.model, model=spec.model, tokenizer=None, quantization=None,
+                                           max_model_len=max_model_len)
+        source = resolve_model(spec.model)
+        hf_config = load_hf_config(source, model_config.cache_dir)
+        draft_tokenizer = load_tokenizer(source, None, model_config.cache_dir)
+        check_vocabularies(target_tokenizer, draft_tokenizer, target_hf_config.vocab_size, hf_config.vocab_size,
+                           spec.model)
+        if max_model_len > max_model_len_of(hf_config, None):
+            logger.warning("draft model: max_model_len %d exceeds its %d positions", max_model_len,
+                           max_model_len_of(hf_config, None))
+        self.model = build_model(model_config, source, hf_config, config.device, max_model_len)
+        self.input_vocab = hf_config.vocab_size
+        # Drafts are ids the target can sample.
+        self.draft_vocab = min(hf_config.vocab_size, target_hf_config.vocab_size)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = make_backend(backend)
+        self.attn_layers = self.model.attention_layers()
+        self._specs = [a.cache_specs(self.dtype) if hasattr(a, "cache_specs")
+                       else [(shape, self.dtype) for shape in a.cache_shapes()] for a in self.attn_layers]
+        self.kv_caches: list[list[torch.Tensor]] = []
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one draft block over every layer."""
+        return sum(self.block_size * int(np.prod(shape)) * dtype.itemsize
+                   for specs in self._specs for shape, dtype in specs)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = [[torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device)
+                           for shape, dtype in specs] for specs in self._specs]
+        for a, caches in zip(self.attn_layers, self.kv_caches):
+            a.bind(caches, self.backend)
+
+    @torch.no_grad()
+    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]]) -> list[int]:
+        """One forward over packed sequences. Each entry ``(tokens, start, blocks, sample)`` runs
+        ``tokens`` at positions ``start, start+1, ...`` of a sequence whose draft cache blocks are
+        ``blocks`` (covering every position written), writing their KV; for each entry with
+        ``sample``, the draft's greedy token after its last one, in order."""
+        bs = self.block_size
+        q_lens = [len(t) for t, _, _, _ in seqs]
+        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        ids = np.fromiter((i for t, _, _, _ in seqs for i in t), dtype=np.int64, count=int(qsl[-1]))
+        # An id past the draft's embedding (a target that pads its vocabulary wider and sampled a
+        # padded id) would index out of range; it only makes the drafts worse.
+        np.minimum(ids, self.input_vocab - 1, out=ids)
+        positions = np.concatenate([np.arange(s, s + len(t)) for t, s, _, _ in seqs])
+        tables = np.zeros((len(seqs), max(len(b) for _, _, b, _ in seqs)), dtype=np.int32)
+        for i, (_, _, blocks, _) in enumerate(seqs):
+            tables[i, :len(blocks)] = blocks
+        row = np.repeat(np.arange(len(seqs)), q_lens)
+        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = [s + len(t) for t, s, _, _ in seqs]
+        logits_idx = [int(qsl[i + 1]) - 1 for i, (_, _, _, sample) in enumerate(seqs) if sample]
+        t = self._to_device
+        batch = ForwardBatch(
+            input_ids=t(ids, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
+            query_start_loc=t(qsl, torch.int32), seq_lens=t(np.asarray(seq_lens), torch.int32),
+            block_tables=t(tables, torch.int32), logits_indices=t(np.asarray(logits_idx), torch.long),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if not logits_idx:
+            return []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return logits[:, :self.draft_vocab].argmax(dim=-1).tolist()
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
