@@ -94,7 +94,7 @@ run_stage() {
     spec-decode-check) stage $1 240 python3 benchmarks/spec_decode_check.py --model-config "$M/qwen3-0.6b.json" \
       --output-json "$OUT/$1.json" ;;
     # Speed-up against a set acceptance rate at batch 1/8/64/256, every draft and the cost model.
-    spec-decode-curve) stage $1 ${T_SDC:-420} python3 benchmarks/spec_decode_curve.py --model-config "$M/qwen3-0.6b.json" \
+    spec-decode-curve) stage $1 ${T_SDC:-420} python3 benchmarks/spec_decode_curve.py --model-config "$M/qwen3-0.6b.json" ${SDC_ARGS:-} \
       --output-json "$OUT/$1.json" ;;
     kernels-sampling) stage $1 150 $PYTEST -m gpu tests/kernels/test_sample.py tests/kernels/test_sample_top_k_top_p.py tests/kernels/test_sample_rejection.py \
       tests/kernels/test_apply_penalties.py tests/kernels/test_logprobs_topk.py tests/sampling ;;
