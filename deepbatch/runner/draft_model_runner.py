@@ -90,6 +90,21 @@ class DraftModelRunner:
                            for shape, dtype in specs] for specs in self._specs]
         for a, caches in zip(self.attn_layers, self.kv_caches):
             a.bind(caches, self.backend)
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the Triton variants drafting meets (a catch-up chunk of each tile class beside
+        one-token drafts over a long context) before the first request, as the target does. The
+        blocks written hold nothing yet: a request writes every position before it reads it."""
+        context = min(self.max_model_len, 1024, self.num_blocks * self.block_size)
+        blocks = list(range(-(-context // self.block_size)))
+        for chunk in (0, 2, 8, 16, 32, 64, 512):
+            if chunk > context:
+                continue
+            seqs = [([0], context - 1, blocks, True)] + ([([0] * chunk, 0, blocks, True)] if chunk else [])
+            self.forward(seqs)
+        torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def forward(self, seqs: list[tuple[list[int], int, list[int], bool]]) -> list[int]:
