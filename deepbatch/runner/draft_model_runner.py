@@ -26,6 +26,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.layers.attention import make_backend
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
+from deepbatch.runner.cuda_graph import CudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class DraftModelRunner:
                        else [(shape, self.dtype) for shape in a.cache_shapes()] for a in self.attn_layers]
         self.kv_caches: list[list[torch.Tensor]] = []
         self.num_blocks = 0
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.enforce_eager = config.enforce_eager
+        self.graphs: CudaGraphs | None = None
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one draft block over every layer."""
@@ -92,6 +96,22 @@ class DraftModelRunner:
             a.bind(caches, self.backend)
         if self.device.type == "cuda":
             self._warm_up_kernels()
+            if not self.enforce_eager:
+                self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Decode graphs (one token per sequence): the forwards after the first draft's are
+        always such, and the first one usually is (the one token the target added past the
+        cached drafts). A forward with a longer catch-up runs eagerly."""
+        graphs = CudaGraphs(self.model, self.max_num_seqs, -(-self.max_model_len // self.block_size),
+                            self.max_model_len, self.device)
+        try:
+            graphs.capture()
+        except Exception:  # a capture failure costs speed, never correctness
+            logger.exception("draft model: CUDA graph capture failed; drafts run eagerly")
+            torch.cuda.synchronize()
+            return
+        self.graphs = graphs
 
     def _warm_up_kernels(self) -> None:
         """Compile the Triton variants drafting meets (a catch-up chunk of each tile class beside
@@ -133,7 +153,9 @@ class DraftModelRunner:
             query_start_loc=t(qsl, torch.int32), seq_lens=t(np.asarray(seq_lens), torch.int32),
             block_tables=t(tables, torch.int32), logits_indices=t(np.asarray(logits_idx), torch.long),
             max_query_len=max(q_lens), max_seq_len=max(seq_lens))
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, batch)
         if not logits_idx:
             return []
         logits = self.model.compute_logits(hidden[batch.logits_indices])
