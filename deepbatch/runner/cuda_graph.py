@@ -182,3 +182,15 @@ class CudaGraphs:
         if size is None:
             return None
         return graphs.run(batch, size)
+
+
+def capture_or_none(graphs: CudaGraphs, what: str) -> CudaGraphs | None:
+    """``graphs`` captured, or None (logged) where capture fails: that costs speed, never
+    correctness; ``what`` then runs eagerly."""
+    try:
+        graphs.capture()
+    except Exception:
+        logger.exception("CUDA graph capture failed; %s runs eagerly", what)
+        torch.cuda.synchronize()
+        return None
+    return graphs

@@ -26,7 +26,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.layers.attention import make_backend
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
-from deepbatch.runner.cuda_graph import CudaGraphs
+from deepbatch.runner.cuda_graph import CudaGraphs, capture_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +105,7 @@ class DraftModelRunner:
         cached drafts). A forward with a longer catch-up runs eagerly."""
         graphs = CudaGraphs(self.model, self.max_num_seqs, -(-self.max_model_len // self.block_size),
                             self.max_model_len, self.device)
-        try:
-            graphs.capture()
-        except Exception:  # a capture failure costs speed, never correctness
-            logger.exception("draft model: CUDA graph capture failed; drafts run eagerly")
-            torch.cuda.synchronize()
-            return
-        self.graphs = graphs
+        self.graphs = capture_or_none(graphs, "the draft model")
 
     def _warm_up_kernels(self) -> None:
         """Compile the Triton variants drafting meets (a catch-up chunk of each tile class beside

@@ -25,7 +25,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.kernels.kv_quant import kv_cache_storage_dtype, quant_mode
 from deepbatch.layers.attention import make_backend
 from deepbatch.layers.mla import MultiHeadLatentAttention
-from deepbatch.runner.cuda_graph import CudaGraphs
+from deepbatch.runner.cuda_graph import CudaGraphs, capture_or_none
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.request import Request
 from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_scales, measure_kv_absmax,
@@ -212,13 +212,7 @@ class ModelRunner:
         sched = self.config.scheduler
         graphs = CudaGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
                             max_num_batched_tokens=sched.max_num_batched_tokens if mixed else None)
-        try:
-            graphs.capture()
-        except Exception:  # a capture failure costs speed, never correctness
-            logger.exception("CUDA graph capture failed; decode runs eagerly")
-            torch.cuda.synchronize()
-            return
-        self.graphs = graphs
+        self.graphs = capture_or_none(graphs, "decode")
 
     def mixed_graphs(self) -> bool:
         """Whether steps with prefill chunks get CUDA graphs: with ``cuda_graph_mode="full"``, the
