@@ -7,7 +7,9 @@ as the target's, each holding what the draft's layers keep per token; the engine
 target's pool with those bytes included, so the two together fit the memory budget. Block ids of
 the two pools are unrelated: which request holds which draft block is the proposer's business
 (``spec_decode/draft_model.py``). The cache stores the model dtype (no 8-bit draft cache: the
-draft's bytes per token are small beside the target's).
+draft's bytes per token are small beside the target's). Under tensor parallelism the draft is
+built outside the ranks' group, so it runs whole in rank 0's process and never communicates; its
+drafts reach the other ranks in the step messages, as prompt lookup's do.
 
 Drafts are the draft's argmax. Verification draws every position as the request would
 (``sampling/draft_rows.py``), so the method is lossless whatever the drafts; a greedy draft is

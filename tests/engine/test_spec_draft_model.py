@@ -144,7 +144,6 @@ def test_tokenizers_must_map_every_token_alike():
     ({"method": "draft_model"}, {}, "needs a \"model\""),
     ({"method": "ngram", "model": "x"}, {}, "needs a \"model\""),
     ({"method": "draft_model", "model": 3}, {}, "model must be str"),
-    ({"method": "draft_model", "model": "x"}, {"tensor_parallel_size": 2}, "runs in one process"),
 ])
 def test_a_bad_draft_model_config_is_a_clear_error(config, extra, message):
     with pytest.raises(ValueError, match=message):
