@@ -258,7 +258,10 @@ class SpeculativeConfig:
 
     ``draft_model``: a small model sharing the target's tokenizer (``model``: a .gguf file, an
     HF directory, or a config.json for random weights) drafts greedily, with a KV cache of its own
-    beside the target's."""
+    beside the target's.
+
+    ``mtp``: DeepSeek-V3/R1's multi-token-prediction layer, from the target checkpoint, drafts
+    from the target's hidden states, chained on itself for k > 1."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -271,11 +274,11 @@ class SpeculativeConfig:
     # gain (control/spec_cost.py); false: every proposed draft runs. Not one of vLLM's keys.
     cost_model: bool = True
 
-    METHODS = ("ngram", "draft_model")
+    METHODS = ("ngram", "draft_model", "mtp")
 
     def __post_init__(self) -> None:
         if self.method not in self.METHODS:
-            planned = " (not available yet)" if self.method in ("mtp", "eagle") else ""
+            planned = " (not available yet)" if self.method == "eagle" else ""
             raise ValueError(f"speculative_config: method {self.method!r}{planned}; choose one of "
                              f"{', '.join(self.METHODS)}")
         if (self.method == "draft_model") != (self.model is not None):
@@ -339,7 +342,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = arg(
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, \"disable_by_batch_size\": null}, or "
-              "{\"method\": \"draft_model\", \"model\": \"path/to/draft\", \"num_speculative_tokens\": 4}",
+              "{\"method\": \"draft_model\", \"model\": \"path/to/draft\", \"num_speculative_tokens\": 4}, or "
+              "{\"method\": \"mtp\", \"num_speculative_tokens\": 1} (DeepSeek-V3/R1)",
         type=SpeculativeConfig.parse)
     # Shows that a fault inside one request's sampling ends that request alone.
     fault_inject_sample_request: str | None = internal(
@@ -353,6 +357,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: method mtp runs the target's own (sharded) MTP layer on rank 0 "
+                             "alone, which tensor parallelism does not support yet; use tensor_parallel_size 1 or "
+                             "method ngram or draft_model")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
 

@@ -124,38 +124,45 @@ class DraftModelRunner:
 
     @torch.no_grad()
     def forward(self, seqs: list[tuple[list[int], int, list[int], bool]]) -> list[int]:
-        """One forward over packed sequences. Each entry ``(tokens, start, blocks, sample)`` runs
-        ``tokens`` at positions ``start, start+1, ...`` of a sequence whose draft cache blocks are
-        ``blocks`` (covering every position written), writing their KV; for each entry with
-        ``sample``, the draft's greedy token after its last one, in order."""
-        bs = self.block_size
-        q_lens = [len(t) for t, _, _, _ in seqs]
-        qsl = np.concatenate([[0], np.cumsum(q_lens)])
-        ids = np.fromiter((i for t, _, _, _ in seqs for i in t), dtype=np.int64, count=int(qsl[-1]))
+        """One forward over packed sequences (``packed_batch``); for each entry with ``sample``,
+        the draft's greedy token after its last one, in order."""
+        batch = packed_batch(seqs, self.block_size, self.device)
         # An id past the draft's embedding (a target that pads its vocabulary wider and sampled a
         # padded id) would index out of range; it only makes the drafts worse.
-        np.minimum(ids, self.input_vocab - 1, out=ids)
-        positions = np.concatenate([np.arange(s, s + len(t)) for t, s, _, _ in seqs])
-        tables = np.zeros((len(seqs), max(len(b) for _, _, b, _ in seqs)), dtype=np.int32)
-        for i, (_, _, blocks, _) in enumerate(seqs):
-            tables[i, :len(blocks)] = blocks
-        row = np.repeat(np.arange(len(seqs)), q_lens)
-        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = [s + len(t) for t, s, _, _ in seqs]
-        logits_idx = [int(qsl[i + 1]) - 1 for i, (_, _, _, sample) in enumerate(seqs) if sample]
-        t = self._to_device
-        batch = ForwardBatch(
-            input_ids=t(ids, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
-            query_start_loc=t(qsl, torch.int32), seq_lens=t(np.asarray(seq_lens), torch.int32),
-            block_tables=t(tables, torch.int32), logits_indices=t(np.asarray(logits_idx), torch.long),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        batch.input_ids.clamp_(max=self.input_vocab - 1)
+        logits_idx = batch.logits_indices
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch)
-        if not logits_idx:
+        if not len(logits_idx):
             return []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[logits_idx])
         return logits[:, :self.draft_vocab].argmax(dim=-1).tolist()
 
-    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
+
+def packed_batch(seqs: list[tuple[list[int], int, list[int], bool]], block_size: int,
+                 device: torch.device) -> ForwardBatch:
+    """A drafter's forward over packed sequences. Each entry ``(tokens, start, blocks, sample)``
+    runs ``tokens`` at positions ``start, start+1, ...`` of a sequence whose cache blocks are
+    ``blocks`` (covering every position written), writing their KV; the logits rows are the
+    last of each entry with ``sample``."""
+    q_lens = [len(t) for t, _, _, _ in seqs]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    ids = np.fromiter((i for t, _, _, _ in seqs for i in t), dtype=np.int64, count=int(qsl[-1]))
+    positions = np.concatenate([np.arange(s, s + len(t)) for t, s, _, _ in seqs])
+    tables = np.zeros((len(seqs), max(len(b) for _, _, b, _ in seqs)), dtype=np.int32)
+    for i, (_, _, blocks, _) in enumerate(seqs):
+        tables[i, :len(blocks)] = blocks
+    row = np.repeat(np.arange(len(seqs)), q_lens)
+    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    seq_lens = [s + len(t) for t, s, _, _ in seqs]
+    logits_idx = [int(qsl[i + 1]) - 1 for i, (_, _, _, sample) in enumerate(seqs) if sample]
+
+    def t(a, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    return ForwardBatch(
+        input_ids=t(ids, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
+        query_start_loc=t(qsl, torch.int32), seq_lens=t(np.asarray(seq_lens), torch.int32),
+        block_tables=t(tables, torch.int32), logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))

@@ -67,6 +67,9 @@ class ModelRunner:
         # Each request's row, and the device token pool a pending input token is read from.
         self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.device)
         self.host_kv: HostKVCache | None = None
+        # Every forward's final hidden states by KV slot, where an MTP drafter reads them
+        # (``runner/mtp_runner.py``); None otherwise.
+        self.hidden_cache: torch.Tensor | None = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
@@ -341,6 +344,8 @@ class ModelRunner:
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.hidden_cache is not None:
+            self.hidden_cache.index_copy_(0, batch.slot_mapping, hidden)
         sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
         if prompt_rows:
             return self._sample_with_prompt_logprobs(hidden, batch, sampling, prompt_rows, out)

@@ -78,11 +78,10 @@ class DraftModelProposer:
             r.spec_token_ids = []
             if k == 0:
                 continue
-            tokens = r.all_token_ids
             seq = self.seqs.setdefault(r.request_id, DraftSeq())
-            start = min(seq.valid_prefix(tokens), len(tokens) - 1)  # the newest token always runs
-            end = min(len(tokens), start + budget)
-            if end < len(tokens):  # a long catch-up: part of it now, drafts on a later step
+            start, last = self._span(seq, r.all_token_ids)
+            end = min(last, start + budget)
+            if end < last:  # a long catch-up: part of it now, drafts on a later step
                 k = 0
             if end <= start or not self._reserve(seq, end + max(k - 1, 0)):
                 continue
@@ -91,6 +90,11 @@ class DraftModelProposer:
             jobs.append((r, seq, start, end, k))
         if jobs:
             self._draft(jobs)
+
+    def _span(self, seq: DraftSeq, tokens: list[int]) -> tuple[int, int]:
+        """The positions ``[start, end)`` to run before drafting: past what the cache holds, up
+        to the newest token, which always runs (its output is the first draft)."""
+        return min(seq.valid_prefix(tokens), len(tokens) - 1), len(tokens)
 
     def _draft(self, jobs: list) -> None:
         tokens = self.runner.forward([(r.all_token_ids[start:end], start, seq.blocks, k > 0)

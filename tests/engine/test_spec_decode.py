@@ -176,7 +176,8 @@ def test_sampled_runs_keep_max_tokens_and_stop_ids(spec_llm):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "mtp"}, "not available yet"),
+    ({"method": "eagle"}, "not available yet"),
+    ({"method": "mtp"}, "mtp needs a checkpoint with multi-token-prediction layers .* LlamaForCausalLM has none"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "draft": 1}, "unknown key"),
     ({"method": "ngram", "cost_model": "yes"}, "cost_model must be bool"),

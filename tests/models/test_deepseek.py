@@ -77,6 +77,41 @@ def one_thread():
     torch.set_num_threads(prev)
 
 
+def build_v3_mtp_checkpoint(root: str, seed: int = 3) -> tuple[str, dict, dict]:
+    """A tiny V3 checkpoint with one MTP layer (``model.layers.{L}``: a whole decoder layer plus
+    enorm/hnorm/eh_proj/shared_head, as DeepSeek ships it) at ``root/v3-mtp``; also every tensor
+    written, and the MTP layer's own (not a decoder layer's) ones. ``root/deeper`` holds the
+    transformers model of L + 1 layers whose last layer is the MTP layer's decoder layer."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_deepseek_config("v3")
+    num_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(seed)
+    # One layer more than the config: transformers writes layer L's tensors with V3's own names.
+    deeper = AutoModelForCausalLM.from_config(tiny_deepseek_config("v3").__class__(
+        **{**cfg.to_dict(), "num_hidden_layers": num_layers + 1}), dtype=torch.float32)
+    deeper.save_pretrained(os.path.join(root, "deeper"))
+    tensors = {}
+    for f in os.listdir(os.path.join(root, "deeper")):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(root, "deeper", f)))
+    mtp = f"model.layers.{num_layers}."
+    extra = {mtp + "enorm.weight": torch.rand(hidden) + 0.5, mtp + "hnorm.weight": torch.rand(hidden) + 0.5,
+             mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.02,
+             mtp + "shared_head.norm.weight": torch.rand(hidden) + 0.5,
+             # The main model's embedding and head, which V3's MTP layers share.
+             mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+             mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    tensors.update(extra)
+    path = os.path.join(root, "v3-mtp")
+    os.makedirs(path)
+    cfg.num_nextn_predict_layers = 1
+    cfg.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    return path, tensors, extra
+
+
 _HF_OUTPUTS: dict = {}
 
 
@@ -166,39 +201,15 @@ def test_export_weights_round_trip_into_hf(deepseek_checkpoints, arch):
         torch.testing.assert_close(fresh.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 
 
-def test_v3_multi_token_prediction_layers_are_loaded_and_kept_but_not_run(tmp_path):
+def test_v3_multi_token_prediction_layers_are_loaded_and_kept_out_of_normal_decoding(tmp_path):
     """A V3 checkpoint's MTP layer (``model.layers.{L}`` past the last decoder layer: a whole
     decoder layer plus enorm/hnorm/eh_proj/shared_head, as DeepSeek ships it) is loaded into
     ``model.mtp_layers`` with every tensor, while the outputs stay those of the L-layer model
-    (transformers, which has no MTP module, ignores those tensors)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    cfg = tiny_deepseek_config("v3")
-    num_layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
-    torch.manual_seed(3)
-    # One layer more than the config: transformers writes layer L's tensors with V3's own names.
-    deeper = AutoModelForCausalLM.from_config(tiny_deepseek_config("v3").__class__(
-        **{**cfg.to_dict(), "num_hidden_layers": num_layers + 1}), dtype=torch.float32)
-    deeper.save_pretrained(tmp_path / "deeper")
-    tensors = {}
-    for f in os.listdir(tmp_path / "deeper"):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(str(tmp_path / "deeper" / f)))
+    (transformers, which has no MTP module, ignores those tensors); only a drafter (method mtp,
+    tests/engine/test_spec_mtp.py) runs it."""
+    path, tensors, extra = build_v3_mtp_checkpoint(str(tmp_path))
+    num_layers = tiny_deepseek_config("v3").num_hidden_layers
     mtp = f"model.layers.{num_layers}."
-    extra = {mtp + "enorm.weight": torch.rand(hidden) + 0.5, mtp + "hnorm.weight": torch.rand(hidden) + 0.5,
-             mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.02,
-             mtp + "shared_head.norm.weight": torch.rand(hidden) + 0.5,
-             # The main model's embedding and head, which V3's MTP layers share.
-             mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-             mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
-    tensors.update(extra)
-    path = tmp_path / "v3-mtp"
-    path.mkdir()
-    cfg.num_nextn_predict_layers = 1
-    cfg.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-
     prompts = make_prompts(n=3)
     got, llm = ours(str(path), prompts)
     assert got == hf_greedy(str(path), prompts)

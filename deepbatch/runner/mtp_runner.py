@@ -1,0 +1,84 @@
+"""DeepSeek-V3/R1's multi-token-prediction (MTP) layer as the drafter of speculative decoding
+(``method: mtp``), from the checkpoint's own weights (``model.mtp_layers``).
+
+The MTP layer at position p reads the target's final hidden state there and the embedding of the
+token after it, and predicts the token after that::
+
+    x_p = eh_proj([ enorm(embed(t[p+1])) | hnorm(h[p]) ]) -> decoder layer (MLA, MoE)
+    draft = argmax(head(shared_head.norm(x_p)))                  the token at p + 2
+
+So the target's hidden states must outlive its forward: the runner writes every forward's
+hidden states into a cache laid out like the KV cache (one row per token slot, a tensor beside the
+layers' caches, so swap copies carry it), and the MTP layer reads a request's rows by its block
+table. Its own attention keeps a latent cache of its own blocks (``spec_decode/mtp.py`` holds
+them per request). Drafts after the first chain the layer on itself, as DeepSeek's MTP modules
+are chained: its output at the previous position (before the final norm) stands in for the
+target's hidden state, and the previous draft for the token. The embedding and the head are the
+target's (V3 shares them). The hidden-state rows and the MTP layer's latent are counted beside
+each target block when the pool is sized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from deepbatch.config import EngineConfig
+from deepbatch.runner.draft_model_runner import packed_batch
+
+
+class MTPRunner:
+    def __init__(self, config: EngineConfig, target_runner, max_model_len: int):
+        model = target_runner.model
+        layers = getattr(getattr(model, "model", None), "mtp_layers", None)
+        if not layers:
+            raise ValueError("speculative_config: method mtp needs a checkpoint with multi-token-prediction layers "
+                             "(DeepSeek-V3/R1: model.layers.{num_hidden_layers}.*, num_nextn_predict_layers >= 1); "
+                             f"this {type(model).__name__} has none")
+        self.target = target_runner
+        self.model = model
+        self.layer = layers[0]
+        self.device = torch.device(config.device)
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.hidden_size = model.config.hidden_size
+        self._specs = self.layer.self_attn.cache_specs(self.dtype)
+        self.kv_caches: list[torch.Tensor] = []
+        self.hidden_cache: torch.Tensor | None = None
+
+    def kv_bytes_per_block(self) -> int:
+        """The MTP layer's latent and the target's hidden-state rows of one block."""
+        latent = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self._specs)
+        return self.block_size * (latent + self.hidden_size * self.dtype.itemsize)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device)
+                          for shape, dtype in self._specs]
+        self.layer.self_attn.bind(self.kv_caches, self.target.backend)
+        hidden = torch.zeros((num_blocks, self.block_size, self.hidden_size), dtype=self.dtype, device=self.device)
+        # Beside the layers' caches (the swap pool copies every tensor there; nothing binds it).
+        self.target.kv_caches.append([hidden])
+        self.hidden_cache = hidden.view(-1, self.hidden_size)
+        self.target.hidden_cache = self.hidden_cache
+
+    def target_hidden(self, slots: np.ndarray) -> torch.Tensor:
+        """The target's final hidden states at these KV slots."""
+        return self.hidden_cache[torch.from_numpy(slots).to(self.device)]
+
+    @torch.no_grad()
+    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]],
+                hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """The MTP layer over packed sequences (``packed_batch``: each entry's tokens are the
+        tokens after its positions); ``hidden`` holds one row per token, the hidden state at that
+        position. Returns, for each entry with ``sample``, the greedy draft and the layer's output
+        at that row (what the next chained draft reads)."""
+        batch = packed_batch(seqs, self.block_size, self.device)
+        stack = self.model.model
+        layer = self.layer
+        embedded = layer.enorm(stack.embed_tokens(batch.input_ids))
+        x = layer.eh_proj(torch.cat([embedded, layer.hnorm(hidden.to(embedded.dtype))], dim=-1))
+        x, residual = layer(x, None, stack.rotary.at(batch.positions), batch)
+        rows = batch.logits_indices
+        normed, out = layer.shared_head.norm(x[rows], residual[rows])
+        logits = self.model.compute_logits(normed)
+        return logits.argmax(dim=-1).tolist(), out
