@@ -95,7 +95,7 @@ run_stage() {
       --output-json "$OUT/$1.json" ;;
     # DeepSeek-V3's MTP layer drafting (random weights), on V3 cut to its first MoE layer, bf16.
     spec-decode-mtp) stage $1 ${T_SDM:-300} python3 benchmarks/spec_decode_check.py --methods mtp --dtype bfloat16 \
-      --gpu-memory-utilization 0.85 --num-prompts 16 --output-json "$OUT/$1.json" \
+      --gpu-memory-utilization 0.6 --num-prompts 16 --output-json "$OUT/$1.json" \
       --model-config "$(derive deepseek-v3 "c['num_hidden_layers']=4; c.pop('auto_map', None)" v3-cut4)" ;;
     # Speed-up against a set acceptance rate at batch 1/8/64/256, every draft and the cost model.
     spec-decode-curve) stage $1 ${T_SDC:-420} python3 benchmarks/spec_decode_curve.py --model-config "$M/qwen3-0.6b.json" ${SDC_ARGS:-} \

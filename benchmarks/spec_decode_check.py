@@ -14,12 +14,22 @@ bf16 a verification step's sums may round differently from one-token steps and f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
 
+import torch
+
 from deepbatch import LLM, SamplingParams
 
+
+def release_gpu_memory() -> None:
+    """After the caller dropped its last reference to an engine: give its GPU memory back before
+    the next engine sizes its KV pool (the pool is what is left after every live allocation)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -63,7 +73,9 @@ def main() -> None:
         report[name] = {"seconds": round(seconds, 3), "steps": s.num_steps, "drafts": s.spec_num_drafts,
                         "draft_tokens": s.spec_num_draft_tokens, "accepted_tokens": s.spec_num_accepted_tokens,
                         "accepted_per_position": s.spec_accepted_per_position}
+        llm.engine.shutdown()
         del llm
+        release_gpu_memory()
     for name in methods:
         report[f"{name}_greedy_equal"] = sum(a == b for a, b in zip(outputs["plain"], outputs[name]))
         report[f"{name}_seeded_equal"] = sum(a == b for a, b in zip(outputs["plain-seeded"], outputs[name + "-seeded"]))

@@ -20,9 +20,12 @@ Random weights: the model's text means nothing, only the shapes and the acceptan
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
+
+import torch
 
 from deepbatch import LLM, SamplingParams
 from deepbatch.spec_decode.ngram import NgramProposer
@@ -61,6 +64,13 @@ def timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list[
     return seconds, [o.outputs[0].token_ids for o in outs], tuple(a - c for a, c in zip(counts(llm), before))
 
 
+def release_gpu_memory() -> None:
+    """After the caller dropped its last reference to an engine: give its GPU memory back before
+    the next engine sizes its KV pool (the pool is what is left after every live allocation)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-config", required=True)
@@ -70,6 +80,7 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", default="every,cost", help="every: every draft runs; cost: the cost model")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -89,8 +100,10 @@ def main() -> None:
         rows.append({"batch": b, "config": "off", "p": None, "seconds": round(seconds, 4),
                      "out_tok_s": round(b * args.max_tokens / seconds, 1)})
         print(rows[-1], flush=True)
+    plain.engine.shutdown()
     del plain
-    for cost_model in (False, True):
+    release_gpu_memory()
+    for cost_model in [c == "cost" for c in args.configs.split(",")]:
         spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "cost_model": cost_model}
         llm = LLM(args.model_config, **common, speculative_config=spec)
         engine = llm.engine
@@ -111,7 +124,10 @@ def main() -> None:
                     "same_tokens": sum(o == reference[tuple(q)] for o, q in zip(outs, prompts[:b])),
                 })
                 print(rows[-1], flush=True)
-        del llm, engine
+        del engine, proposer
+        llm.engine.shutdown()
+        del llm
+        release_gpu_memory()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"model_config": args.model_config, "k": args.num_speculative_tokens,

@@ -1,33 +1,40 @@
 """How many drafts a step should run: speculative decoding's cost model.
 
 A draft costs a step one more token through the model and gains one output token only if it is
-accepted. Where a step's time barely depends on its tokens (small batches on a GPU: reading the
-weights dominates), every draft is nearly free; where it grows with them (a large batch, the GPU's
-compute full), a draft that is rarely accepted costs more than it gains. Before each step, with
-the drafts proposed, this chooses each request's cap to maximize the expected output tokens per
-second of the step:
+accepted; and a step that runs drafts at all costs more than its tokens say: it is synchronous
+(no overlap with the host's work for the next step), its sampler draws the draft rows, its
+proposer ran first. On a GPU at batch 1 the tokens cost almost nothing and that fixed part is
+most of a drafting step's price. So the model measures both rather than assume them:
 
-    (decoding + sum of the chosen draft positions' acceptance) / t(decoding + chosen positions, seqs)
+    t_plain = a + b * tokens + c * seqs          fitted on steps without drafts (``step_time.py``)
+    t_draft = t_plain + d0 + d1 * drafts         d0, d1 fitted on drafting steps' excess over t_plain
 
-``t`` is the step time fitted from the engine's own steps (``step_time.py``: ``a + b * tokens +
-c * seqs``), so a position costs ``b``. A position's acceptance is the probability that the
-request's draft there is accepted (with every draft before it): the engine-wide figure per
-position, counted over the recent steps with a decay so that a change of workload shows within
-about a hundred steps, moved towards the request's own record as it drafts (a request that copies
-its prompt keeps drafting beside one that never does). The best set of positions is taken in
-falling acceptance while each gains more than the step's rate times its cost. No drafts at all
-when none pays; one step in ``EXPLORE_EVERY`` runs them anyway, so the acceptance stays measured
-while speculation is off. Until the fit has enough steps, every draft runs. Prefill chunks sharing
-the step are left out of ``t``'s tokens, which makes drafts look dearer than they are: the model
-errs towards turning speculation off.
+Before each step, with the drafts proposed, it chooses each request's cap to maximize the step's
+expected output tokens per second, ``(decoding + sum of the chosen positions' acceptance) / t``.
+A position's acceptance is the probability that the request's draft there is accepted (with every
+draft before it): the engine-wide figure per position, counted over the recent steps with a decay
+so that a change of workload shows within about a hundred steps, moved towards the request's own
+record as it drafts (a request that copies its prompt keeps drafting beside one that never does).
+With a fixed cost and a cost per position, the best set of n positions is the n likeliest, so the
+model evaluates every count n of positions taken in falling acceptance and keeps the best, none
+included. Both kinds of step stay measured: where no draft pays, one step in ``EXPLORE_EVERY``
+drafts anyway (the acceptance); where drafts pay, one step in ``EXPLORE_EVERY`` runs without
+(the plain step time). Until both fits exist, steps alternate between every draft and none.
+Prefill chunks sharing a step are left out of the tokens the decision counts, which makes drafts
+look dearer than they are: the model errs towards turning speculation off.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 from deepbatch.control.step_time import StepTimeFit
 
-# A drafting step every this many steps while the model says no, to keep measuring acceptance.
+# Every this many steps, the kind of step the model did not choose (with drafts, or without), so
+# that the acceptance and both step times stay measured.
 EXPLORE_EVERY = 32
+# Drafting steps measured before their cost is trusted.
+MIN_DRAFT_STEPS = 8
 # Weight of the older counts at each step: about 1 / (1 - DECAY) steps are remembered.
 DECAY = 0.99
 # Before any draft at a position was seen: one accepted in two drafted.
@@ -39,20 +46,35 @@ REQUEST_PRIOR = 4.0
 class SpecCostModel:
     def __init__(self, max_drafts: int, fit: StepTimeFit | None = None):
         self.max_drafts = max_drafts
-        self.fit = fit if fit is not None else StepTimeFit()
+        self.fit = fit if fit is not None else StepTimeFit()  # steps without drafts
         self.drafted = [0.0] * max_drafts  # decayed drafts that reached position j
         self.accepted = [0.0] * max_drafts  # decayed of those, the accepted ones
         self._seen = ([0] * max_drafts, [0] * max_drafts)  # the engine's cumulative counters, last read
+        # Decayed sums over drafting steps of (1, n, n^2, e, n e): n drafts, e seconds over t_plain.
+        self._excess = [0.0] * 5
+        # Drafting steps seen before the plain fit existed, measured against it once it does.
+        self._unmeasured: deque[tuple[int, int, float, int]] = deque(maxlen=64)
+        self.num_drafting_steps = 0
         self.num_steps = 0
         self.last_caps: list[int] | None = None  # the last step's, for the tests
 
     # -- measurements ----------------------------------------------------------------------
 
     def observe_step(self, duration_s: float, num_scheduled_tokens: int, num_seqs: int,
-                     drafted_per_position: list[int], accepted_per_position: list[int]) -> None:
-        """A committed step: its time and shape, and the engine's cumulative per-position draft
-        counters (``EngineStats``)."""
-        self.fit.observe(num_scheduled_tokens, num_seqs, duration_s)
+                     drafted_per_position: list[int], accepted_per_position: list[int], num_drafts: int = 0) -> None:
+        """A committed step: its time and shape (``num_drafts`` of its tokens were drafts), and
+        the engine's cumulative per-position draft counters (``EngineStats``)."""
+        if num_drafts == 0:
+            self.fit.observe(num_scheduled_tokens, num_seqs, duration_s)
+        else:
+            self.num_drafting_steps += 1
+            self._unmeasured.append((num_scheduled_tokens, num_seqs, duration_s, num_drafts))
+            if (coeffs := self.fit.fit()) is not None:
+                x = self._excess
+                while self._unmeasured:
+                    tokens, seqs, seconds, n = self._unmeasured.popleft()
+                    e = seconds - coeffs.predict(tokens - n, seqs)
+                    x[:] = [DECAY * v + d for v, d in zip(x, (1.0, n, n * n, e, n * e))]
         for j in range(self.max_drafts):
             drafted = drafted_per_position[j] if j < len(drafted_per_position) else 0
             accepted = accepted_per_position[j] if j < len(accepted_per_position) else 0
@@ -66,21 +88,47 @@ class SpecCostModel:
         before it)."""
         return [(a + PRIOR_ACCEPTED) / (d + PRIOR_DRAFTED) for a, d in zip(self.accepted, self.drafted)]
 
+    def draft_cost(self, seconds_per_token: float) -> tuple[float, float] | None:
+        """``(d0, d1)``: what a drafting step costs over a plain one of its other tokens, fixed and
+        per draft, both >= 0; None until ``MIN_DRAFT_STEPS`` drafting steps were measured. Where
+        every drafting step ran the same number of drafts only their sum is known, and a draft is
+        charged ``seconds_per_token`` (the plain fit's)."""
+        w, sn, snn, se, sne = self._excess
+        if w < (1 - DECAY ** MIN_DRAFT_STEPS) / (1 - DECAY) - 1e-9:  # the decayed weight of that many
+            return None
+        mean_n, mean_e = sn / w, se / w
+        var = snn / w - mean_n * mean_n
+        d1 = max(0.0, (sne / w - mean_n * mean_e) / var) if var > 1e-6 * max(mean_n * mean_n, 1.0) \
+            else seconds_per_token
+        return max(0.0, mean_e - d1 * mean_n), d1
+
     # -- the decision --------------------------------------------------------------------------
+
+    def _prices(self, num_decoding: int, num_seqs: int):
+        """(plain step seconds, d0, d1), or None while either fit is missing."""
+        coeffs = self.fit.fit()
+        cost = self.draft_cost(coeffs.b) if coeffs is not None else None
+        if cost is None:
+            return None
+        return coeffs.predict(num_decoding, num_seqs), *cost
 
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
         """Under async scheduling, before the drafts are proposed: whether the next step should
-        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step). At
-        the engine-wide acceptance some draft pays exactly when the likeliest position does, the
-        first that ``choose_caps`` would take. A step without drafts counts towards the next
-        exploring one."""
+        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step), at
+        the engine-wide acceptance with every decoding request drafting. A step without drafts
+        counts towards the next exploring one."""
         if num_decoding == 0:
             return False
-        coeffs = self.fit.fit()
-        if (coeffs is None or (self.num_steps + 1) % EXPLORE_EVERY == 0
-                or _pays(max(self.acceptance()), float(num_decoding), coeffs.predict(num_decoding, num_seqs),
-                         coeffs.b)):
+        prices = self._prices(num_decoding, num_seqs)
+        if prices is None or (self.num_steps + 1) % EXPLORE_EVERY == 0:
             return True
+        # Positions of one index share a probability: the best count ends a run of them.
+        t0, d0, d1 = prices
+        gain, best, n = float(num_decoding), num_decoding / t0, 0
+        for p in self.acceptance():
+            gain, n = gain + p * num_decoding, n + num_decoding
+            if gain / (t0 + d0 + d1 * n) > best:
+                return True
         self.num_steps += 1
         return False
 
@@ -100,25 +148,27 @@ class SpecCostModel:
 
     def choose_caps(self, acceptance: list[list[float]], draft_lens: list[int], num_decoding: int,
                     num_seqs: int) -> list[int]:
-        """Each drafting request's cap, from its acceptance per position and its proposed count.
-        A draft position costs ``b`` (the fit's seconds per token) and gains its probability of
-        being accepted, so the best set takes the positions in falling probability while each
-        gains more than the step's tokens per second times what it costs."""
+        """Each drafting request's cap, from its acceptance per position and its proposed count:
+        of every count of positions taken in falling probability (none included), the one with
+        the most expected output tokens per second."""
         self.num_steps += 1
-        coeffs = self.fit.fit()
-        if coeffs is None:
-            return list(draft_lens)
-        gain, seconds = float(num_decoding), coeffs.predict(num_decoding, num_seqs)
+        explore = self.num_steps % EXPLORE_EVERY == 0
+        prices = self._prices(num_decoding, num_seqs)
+        if prices is None:  # learning both step times: every draft, then none
+            return list(draft_lens) if self.num_steps % 2 else [0] * len(draft_lens)
+        t0, d0, d1 = prices
         positions = sorted(((p[j], j, i) for i, (p, n) in enumerate(zip(acceptance, draft_lens))
                             for j in range(min(n, len(p)))), key=lambda x: (-x[0], x[1]))
+        gain, best, best_n = float(num_decoding), num_decoding / t0, 0
+        for n, (q, _, _) in enumerate(positions, 1):
+            gain += q
+            if gain / (t0 + d0 + d1 * n) > best:
+                best, best_n = gain / (t0 + d0 + d1 * n), n
+        if explore:  # the arm not taken, to keep it measured
+            return [0] * len(draft_lens) if best_n else list(draft_lens)
         caps = [0] * len(draft_lens)
-        for q, _, i in positions:  # a request's positions come in order: its probabilities fall
-            if not _pays(q, gain, seconds, coeffs.b):
-                break
+        for _, _, i in positions[:best_n]:  # a request's positions come in order: its probabilities fall
             caps[i] += 1
-            gain, seconds = gain + q, seconds + coeffs.b
-        if not any(caps) and self.num_steps % EXPLORE_EVERY == 0:
-            return list(draft_lens)
         return caps
 
     def limit(self, running: list) -> None:
@@ -136,9 +186,3 @@ class SpecCostModel:
 
 def _new(count: int, last: int) -> int:
     return count - last if count >= last else count
-
-
-def _pays(acceptance: float, tokens: float, seconds: float, seconds_per_token: float) -> bool:
-    """Whether a draft position accepted with this probability raises a step's expected tokens
-    per second (``tokens`` in ``seconds`` so far; the position costs ``seconds_per_token``)."""
-    return acceptance * seconds > tokens * seconds_per_token

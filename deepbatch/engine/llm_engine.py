@@ -417,7 +417,8 @@ class LLMEngine:
         self._last_commit = now
         if self.spec_cost is not None:
             self.spec_cost.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
-                                        self.stats.spec_drafted_per_position, self.stats.spec_accepted_per_position)
+                                        self.stats.spec_drafted_per_position, self.stats.spec_accepted_per_position,
+                                        sum(s.num_spec_tokens for s in out.scheduled))
         if self.controller is not None:
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                          result.first_token[first:], result.done[done:])

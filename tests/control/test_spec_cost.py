@@ -1,9 +1,11 @@
 """Speculative decoding's cost model (``control/spec_cost.py``) on step times and acceptance it is
-fed by hand: every draft runs while nothing is measured; drafts run where a step's time barely
-depends on its tokens and stop where tokens are dear and drafts rarely accepted; each request's cap
-is the best of every possible assignment (counted exhaustively); a request's own record moves its
-acceptance; one step in ``EXPLORE_EVERY`` drafts anyway, under async scheduling too; the counters
-it reads may be reset."""
+fed by hand: steps alternate between every draft and none while nothing is measured; the fixed
+and per-draft cost of a drafting step are measured apart from the plain step time; drafts run
+where they pay and stop where a drafting step costs more than its accepted drafts gain (tokens
+dear and drafts rarely accepted, or a drafting step's fixed cost at batch 1); each request's cap is
+the best of every possible assignment (counted exhaustively); a request's own record moves its
+acceptance; one step in ``EXPLORE_EVERY`` takes the other arm, under async scheduling too; the
+counters it reads may be reset."""
 
 from __future__ import annotations
 
@@ -15,23 +17,28 @@ import pytest
 from deepbatch.control.spec_cost import EXPLORE_EVERY, SpecCostModel
 
 
-def fed(a: float, b: float, acceptance: list[float], drafts: int = 1000) -> SpecCostModel:
-    """A model fitted on steps of ``a + b * tokens`` seconds (decode-only and mixed shapes) that
-    saw ``drafts`` drafts of 4 tokens, position j accepted with probability ``acceptance[j]``."""
+def fed(a: float, b: float, acceptance: list[float], drafts: int = 1000, overhead: float = 0.0) -> SpecCostModel:
+    """A model fitted on plain steps of ``a + b * tokens`` seconds (decode-only and mixed shapes)
+    and drafting steps that cost ``overhead`` more, which saw ``drafts`` drafts of 4 tokens,
+    position j accepted with probability ``acceptance[j]``."""
     model = SpecCostModel(max_drafts=4)
     for i in range(64):
         seqs = 1 + i % 16
         tokens = seqs + (i % 3) * seqs
         model.observe_step(a + b * tokens, tokens, seqs, [], [])
+    for i in range(16):
+        seqs = 1 + i % 8
+        n = seqs * (1 + i % 4)  # drafts
+        model.observe_step(a + b * (seqs + n) + overhead, seqs + n, seqs, [], [], num_drafts=n)
     accepted = [round(drafts * p) for p in acceptance]
     model.observe_step(a + b, 1, 1, [drafts] * 4, accepted)
     return model
 
 
-def rate(a, b, acceptance, caps, decoding):
+def rate(a, b, acceptance, caps, decoding, overhead=0.0):
     """Expected output tokens per second of a step with these caps (the model's objective)."""
     gain = sum(sum(p[:k]) for p, k in zip(acceptance, caps))
-    return (decoding + gain) / (a + b * (decoding + sum(caps)))
+    return (decoding + gain) / (a + b * (decoding + sum(caps)) + (overhead if any(caps) else 0.0))
 
 
 def request(drafted: list[int], accepted: list[int], drafts: int = 4):
@@ -39,9 +46,41 @@ def request(drafted: list[int], accepted: list[int], drafts: int = 4):
                            num_tokens=10, num_computed_tokens=9)
 
 
-def test_every_draft_runs_until_steps_are_measured():
+def test_steps_alternate_between_every_draft_and_none_until_both_are_measured():
     model = SpecCostModel(max_drafts=4)
-    assert model.choose_caps([[0.5] * 4] * 2, [4, 2], num_decoding=2, num_seqs=2) == [4, 2]
+    caps = [model.choose_caps([[0.5] * 4] * 2, [4, 2], num_decoding=2, num_seqs=2) for _ in range(4)]
+    assert caps == [[4, 2], [0, 0], [4, 2], [0, 0]]
+    assert model.wants_drafts(num_decoding=2, num_seqs=2)  # the drafting arm must be measured
+
+
+def test_a_drafting_steps_cost_is_measured_apart_from_its_tokens():
+    model = fed(0.002, 1e-4, [0.5] * 4, overhead=0.0009)
+    d0, d1 = model.draft_cost(seconds_per_token=1.0)
+    assert d0 == pytest.approx(0.0009, rel=1e-3) and d1 == pytest.approx(1e-4, rel=1e-3)
+    assert SpecCostModel(max_drafts=4).draft_cost(1e-4) is None
+
+
+def test_drafting_steps_before_the_plain_fit_are_measured_once_it_exists():
+    model = SpecCostModel(max_drafts=4)
+    for _ in range(10):  # 2 ms over a plain step of its 6 tokens, 4 of them drafts
+        model.observe_step(0.001 + 6e-4 * 6 + 0.002, 6, 2, [], [], num_drafts=4)
+    assert model.draft_cost(6e-4) is None and model.num_drafting_steps == 10
+    for i in range(40):
+        model.observe_step(0.001 + 6e-4 * (1 + i % 4), 1 + i % 4, 1 + i % 4, [], [])
+    model.observe_step(0.001 + 6e-4 * 6 + 0.002, 6, 2, [], [], num_drafts=4)
+    d0, d1 = model.draft_cost(6e-4)
+    assert (d0, d1) == pytest.approx((0.002, 6e-4), rel=1e-3)
+
+
+def test_at_batch_1_a_drafting_steps_fixed_cost_must_be_earned_by_its_accepted_drafts():
+    # A decode step of 1.5 ms whatever its tokens, a drafting step 60% dearer (synchronous, the
+    # draft rows sampled): drafts rarely accepted stop, drafts mostly accepted run.
+    rare = fed(0.0015, 1e-7, [0.05, 0.01, 0.0, 0.0], overhead=0.0009)
+    assert rare.choose_caps([rare.acceptance()], [4], num_decoding=1, num_seqs=1) == [0]
+    assert not rare.wants_drafts(num_decoding=1, num_seqs=1)
+    likely = fed(0.0015, 1e-7, [0.9, 0.8, 0.7, 0.6], overhead=0.0009)
+    assert likely.choose_caps([likely.acceptance()], [4], num_decoding=1, num_seqs=1) == [4]
+    assert likely.wants_drafts(num_decoding=1, num_seqs=1)
 
 
 def test_drafts_run_where_tokens_are_cheap_and_stop_where_they_are_dear_and_rarely_accepted():
@@ -54,14 +93,16 @@ def test_drafts_run_where_tokens_are_cheap_and_stop_where_they_are_dear_and_rare
 
 
 @pytest.mark.parametrize("b", [1e-5, 1e-4, 3e-4, 1e-3, 3e-3])
-def test_the_caps_are_the_best_of_every_assignment(b):
+@pytest.mark.parametrize("overhead", [0.0, 0.004])
+def test_the_caps_are_the_best_of_every_assignment(b, overhead):
     a = 0.010
-    model = fed(a, b, [0.8, 0.6, 0.45, 0.3], drafts=100_000)
+    model = fed(a, b, [0.8, 0.6, 0.45, 0.3], drafts=100_000, overhead=overhead)
     acceptance = [[0.9, 0.8, 0.7, 0.6], [0.5, 0.3, 0.1, 0.05], [0.7, 0.7, 0.2, 0.2], [0.2, 0.1, 0.0, 0.0]]
     lens, decoding = [4, 3, 4, 2], 6
     caps = model.choose_caps(acceptance, lens, decoding, decoding)
-    best = max(rate(a, b, acceptance, c, decoding) for c in itertools.product(*(range(n + 1) for n in lens)))
-    assert rate(a, b, acceptance, caps, decoding) == pytest.approx(best, rel=1e-6), caps
+    best = max(rate(a, b, acceptance, c, decoding, overhead)
+               for c in itertools.product(*(range(n + 1) for n in lens)))
+    assert rate(a, b, acceptance, caps, decoding, overhead) == pytest.approx(best, rel=1e-6), caps
     assert all(0 <= c <= n for c, n in zip(caps, lens))
     assert model.acceptance() == pytest.approx([0.8, 0.6, 0.45, 0.3], abs=1e-3)
 
@@ -85,6 +126,12 @@ def test_one_step_in_explore_every_drafts_while_the_model_says_no():
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
     caps = [dear.choose_caps([dear.acceptance()] * 64, [3] * 64, 64, 64) for _ in range(2 * EXPLORE_EVERY)]
     assert caps.count([3] * 64) == 2 and caps.count([0] * 64) == 2 * EXPLORE_EVERY - 2
+
+
+def test_one_step_in_explore_every_runs_without_drafts_while_the_model_says_yes():
+    cheap = fed(0.020, 1e-6, [0.9, 0.8, 0.7, 0.6])
+    caps = [cheap.choose_caps([cheap.acceptance()] * 8, [4] * 8, 8, 8) for _ in range(2 * EXPLORE_EVERY)]
+    assert caps.count([0] * 8) == 2 and caps.count([4] * 8) == 2 * EXPLORE_EVERY - 2
 
 
 def test_counters_read_after_a_reset_count_whole():

@@ -79,7 +79,9 @@ def test_the_cost_model_measures_each_step_and_output_is_unchanged(smollm_llm):
     got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     cost, stats = llm.engine.spec_cost, llm.engine.stats
-    assert len(cost.fit.steps) == stats.num_steps and stats.spec_num_drafts > 0
+    # Every step measured once: the plain ones by the step-time fit, the drafting ones for their cost.
+    assert len(cost.fit.steps) + cost.num_drafting_steps == stats.num_steps
+    assert cost.num_drafting_steps > 0 and len(cost.fit.steps) > 0 and stats.spec_num_drafts > 0
     assert sum(stats.spec_drafted_per_position) == stats.spec_num_draft_tokens
     assert cost.drafted[0] > 0 and cost.last_caps is not None
 
