@@ -28,12 +28,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from deepbatch.control.step_time import StepTimeFit
+from deepbatch.control.step_time import StepTimeCoeffs, StepTimeFit
 
 # Every this many steps, the kind of step the model did not choose (with drafts, or without), so
 # that the acceptance and both step times stay measured.
 EXPLORE_EVERY = 32
-# Drafting steps measured before their cost is trusted.
+# Steps of each kind measured before the model decides (until then the two alternate).
+MIN_PLAIN_STEPS = 8
 MIN_DRAFT_STEPS = 8
 # Weight of the older counts at each step: about 1 / (1 - DECAY) steps are remembered.
 DECAY = 0.99
@@ -46,7 +47,8 @@ REQUEST_PRIOR = 4.0
 class SpecCostModel:
     def __init__(self, max_drafts: int, fit: StepTimeFit | None = None):
         self.max_drafts = max_drafts
-        self.fit = fit if fit is not None else StepTimeFit()  # steps without drafts
+        # Steps without drafts; a few suffice, the decision is made at the steps' own shapes.
+        self.fit = fit if fit is not None else StepTimeFit(min_steps=MIN_PLAIN_STEPS)
         self.drafted = [0.0] * max_drafts  # decayed drafts that reached position j
         self.accepted = [0.0] * max_drafts  # decayed of those, the accepted ones
         self._seen = ([0] * max_drafts, [0] * max_drafts)  # the engine's cumulative counters, last read
@@ -69,7 +71,7 @@ class SpecCostModel:
         else:
             self.num_drafting_steps += 1
             self._unmeasured.append((num_scheduled_tokens, num_seqs, duration_s, num_drafts))
-            if (coeffs := self.fit.fit()) is not None:
+            if (coeffs := self._plain_fit()) is not None:
                 x = self._excess
                 while self._unmeasured:
                     tokens, seqs, seconds, n = self._unmeasured.popleft()
@@ -104,13 +106,21 @@ class SpecCostModel:
 
     # -- the decision --------------------------------------------------------------------------
 
+    def _plain_fit(self) -> StepTimeCoeffs | None:
+        """The plain steps' fit; where they all had one shape (a steady batch of decodes) and
+        none can be fitted, their mean time, which is what a step of that shape takes."""
+        coeffs = self.fit.fit()
+        if coeffs is None and len(self.fit.steps) >= self.fit.min_steps:
+            coeffs = StepTimeCoeffs(self.fit.mean_duration(), 0.0, 0.0)
+        return coeffs
+
     def _prices(self, num_decoding: int, num_seqs: int):
         """(plain step seconds, d0, d1), or None while either fit is missing."""
-        coeffs = self.fit.fit()
+        coeffs = self._plain_fit()
         cost = self.draft_cost(coeffs.b) if coeffs is not None else None
         if cost is None:
             return None
-        return coeffs.predict(num_decoding, num_seqs), *cost
+        return max(coeffs.predict(num_decoding, num_seqs), 1e-9), *cost  # a fit pinned at 0 divides too
 
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
         """Under async scheduling, before the drafts are proposed: whether the next step should

@@ -80,6 +80,10 @@ class StepTimeFit:
         self._xtx, self._xty = x.T @ x, x.T @ data[:, 2]
         self._since_resum = 0
 
+    def mean_duration(self) -> float | None:
+        """The mean time of the steps in the window (None without any)."""
+        return float(self._xty[0] / self._xtx[0, 0]) if self.steps else None
+
     def fit(self) -> StepTimeCoeffs | None:
         if len(self.steps) < self.min_steps:
             return None

@@ -72,6 +72,18 @@ def test_drafting_steps_before_the_plain_fit_are_measured_once_it_exists():
     assert (d0, d1) == pytest.approx((0.002, 6e-4), rel=1e-3)
 
 
+def test_a_steady_batch_of_one_shape_is_priced_by_its_mean_step():
+    # Plain steps all of 32 decodes (no fit can separate a, b, c): their mean time stands in.
+    model = SpecCostModel(max_drafts=4)
+    for i in range(8):
+        model.observe_step(0.010 + 1e-4 * (i % 2), 32, 32, [], [])
+        model.observe_step(0.030, 32 + 128, 32, [128] * 4, [0] * 4, num_drafts=128)
+    assert model.fit.fit() is None
+    d0, d1 = model.draft_cost(0.0)
+    assert d0 + 128 * d1 == pytest.approx(0.030 - 0.01005, rel=1e-6)
+    assert model.choose_caps([model.acceptance()] * 32, [4] * 32, 32, 32) == [0] * 32  # 3x the time, none kept
+
+
 def test_at_batch_1_a_drafting_steps_fixed_cost_must_be_earned_by_its_accepted_drafts():
     # A decode step of 1.5 ms whatever its tokens, a drafting step 60% dearer (synchronous, the
     # draft rows sampled): drafts rarely accepted stop, drafts mostly accepted run.
