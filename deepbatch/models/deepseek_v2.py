@@ -9,7 +9,8 @@ V3 differs only in its router (sigmoid scores with a correction bias, grouped to
 weights) and in a switch for the rotary layout. Either may have a q LoRA (``q_lora_rank``; V2-Lite
 has none). The multi-token-prediction layers V3 checkpoints carry (``model.layers.{L}...`` past
 ``num_hidden_layers``, ``num_nextn_predict_layers`` of them) are loaded and kept
-(``model.mtp_layers``) for a speculative decoder; normal decoding does not run them.
+(``model.mtp_layers``) for speculative decoding (``method: mtp``, ``runner/mtp_runner.py``);
+normal decoding does not run them.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         h' = layer( eh_proj([ enorm(embed(next token)) | hnorm(h) ]) ) -> shared_head.norm -> head
 
     The embedding and the output head are the main model's (V3 shares them; the checkpoint's
-    copies, ``embed_tokens`` and ``shared_head.head``, are not loaded again). Kept for a
-    speculative decoder; normal decoding does not run it, and it has no KV cache of its own."""
+    copies, ``embed_tokens`` and ``shared_head.head``, are not loaded again). Normal decoding
+    does not run it and binds it no cache; the MTP drafter (``runner/mtp_runner.py``) runs it
+    with a latent cache of its own."""
 
     def __init__(self, config, layer_idx: int, router_kwargs: dict, mla_prefill: str):
         super().__init__(config, layer_idx, router_kwargs, mla_prefill)
