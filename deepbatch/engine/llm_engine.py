@@ -46,7 +46,7 @@ from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.control.controller import make_controller
-from deepbatch.control.spec_cost import SpecCostModel
+from deepbatch.engine.speculation import build_drafter, build_proposer
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -77,28 +77,14 @@ class LLMEngine:
             model = build_model(config.model, self.source, self.hf_config, config.device, self.max_model_len)
             self.runner = ModelRunner(config, model, self.hf_config, self.max_model_len)
         self.runner.calibrate_kv_scales()  # fp8 scales the checkpoint lacks, if asked; before any graph
-        spec = config.speculative_config
-        drafter = self._build_drafter()
+        drafter = build_drafter(config, self.runner, self.hf_config, self.tokenizer, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks(drafter.kv_bytes_per_block() if drafter is not None else 0)
         swap = self._swap_cost_model()  # measured before the KV cache takes the memory
         self.runner.init_kv_cache(self.num_blocks)
         # Speculative decoding drafts from the committed tokens, so a step with drafts is
         # synchronous; under async scheduling the steps the cost model keeps free of drafts stay
         # asynchronous (``_step_async``).
-        self.proposer = self.spec_cost = None
-        if drafter is not None:  # its cache now, before the swap pool copies the caches' layout
-            from deepbatch.spec_decode.draft_model import DraftModelProposer
-            from deepbatch.spec_decode.mtp import MTPProposer
-
-            cls = MTPProposer if spec.method == "mtp" else DraftModelProposer
-            self.proposer = cls(spec, drafter, self.max_model_len, config.scheduler.max_num_batched_tokens)
-            self.proposer.init_kv_cache(self.num_blocks)
-        elif spec is not None:
-            from deepbatch.spec_decode.ngram import NgramProposer
-
-            self.proposer = NgramProposer(spec, self.max_model_len)
-        if spec is not None and spec.cost_model:
-            self.spec_cost = SpecCostModel(spec.num_speculative_tokens)
+        self.proposer, self.spec_cost = build_proposer(config, drafter, self.num_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        sliding_window=kv_sliding_window(self.hf_config))
         preemptor = Preemptor(self.kv_cache)
@@ -130,21 +116,6 @@ class LLMEngine:
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
             self.runner.describe_kv_cache(), self.runner.kv_bytes_per_block() / 1024,
         )
-
-    def _build_drafter(self):
-        """The draft model's or the MTP layer's runner (None for prompt lookup or without
-        speculation), built before the KV pool is sized: a draft model's weights count as used
-        memory, and each target block is sized with the drafter's block beside it."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method == "ngram":
-            return None
-        if spec.method == "mtp":
-            from deepbatch.runner.mtp_runner import MTPRunner
-
-            return MTPRunner(self.config, self.runner, self.max_model_len)
-        from deepbatch.runner.draft_model_runner import DraftModelRunner
-
-        return DraftModelRunner(self.config, self.hf_config, self.tokenizer, self.max_model_len)
 
     def _forget(self, request_id: str) -> None:
         """A request ended: drop its state in the runner and the proposer (a draft model's cache)."""

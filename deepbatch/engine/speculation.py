@@ -1,0 +1,46 @@
+"""Speculative decoding's parts of an engine: the drafter's runner (a draft model or the MTP
+layer; none for prompt lookup), the proposer that sets each request's drafts before a step, and
+the cost model that caps them."""
+
+from __future__ import annotations
+
+from deepbatch.config import EngineConfig
+from deepbatch.control.spec_cost import SpecCostModel
+
+
+def build_drafter(config: EngineConfig, runner, hf_config, tokenizer, max_model_len: int):
+    """The draft model's or the MTP layer's runner (None for prompt lookup or without
+    speculation). Build it before the KV pool is sized: a draft model's weights count as used
+    memory, and each target block is sized with the drafter's block beside it
+    (``kv_bytes_per_block``)."""
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None
+    if spec.method == "mtp":
+        from deepbatch.runner.mtp_runner import MTPRunner
+
+        return MTPRunner(config, runner, max_model_len)
+    from deepbatch.runner.draft_model_runner import DraftModelRunner
+
+    return DraftModelRunner(config, hf_config, tokenizer, max_model_len)
+
+
+def build_proposer(config: EngineConfig, drafter, num_blocks: int, max_model_len: int):
+    """``(proposer, cost model)``, each None without speculation. A drafter's cache is made here,
+    so call it before the swap pool copies the caches' layout (the MTP drafter adds the target's
+    hidden-state rows to it)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None, None
+    if drafter is not None:
+        from deepbatch.spec_decode.draft_model import DraftModelProposer
+        from deepbatch.spec_decode.mtp import MTPProposer
+
+        cls = MTPProposer if spec.method == "mtp" else DraftModelProposer
+        proposer = cls(spec, drafter, max_model_len, config.scheduler.max_num_batched_tokens)
+        proposer.init_kv_cache(num_blocks)
+    else:
+        from deepbatch.spec_decode.ngram import NgramProposer
+
+        proposer = NgramProposer(spec, max_model_len)
+    return proposer, SpecCostModel(spec.num_speculative_tokens) if spec.cost_model else None
