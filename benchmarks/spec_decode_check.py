@@ -14,22 +14,12 @@ bf16 a verification step's sums may round differently from one-token steps and f
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import time
 
-import torch
-
 from deepbatch import LLM, SamplingParams
-
-
-def release_gpu_memory() -> None:
-    """After the caller dropped its last reference to an engine: give its GPU memory back before
-    the next engine sizes its KV pool (the pool is what is left after every live allocation)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+from deepbatch.bench.timing import release_gpu_memory
 
 def main() -> None:
     ap = argparse.ArgumentParser()

@@ -20,22 +20,20 @@ Random weights: the model's text means nothing, only the shapes and the acceptan
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import time
 
-import torch
-
 from deepbatch import LLM, SamplingParams
-from deepbatch.spec_decode.ngram import NgramProposer
+from deepbatch.bench.timing import release_gpu_memory
+from deepbatch.spec_decode.room import draft_room
 
 
-class SetAcceptanceProposer(NgramProposer):
+class SetAcceptanceProposer:
     """Drafts the reference continuation, each position right with probability ``p``."""
 
     def __init__(self, config, max_model_len: int, reference: dict[tuple[int, ...], list[int]], vocab: int):
-        super().__init__(config, max_model_len)
+        self.config, self.max_model_len = config, max_model_len
         self.reference, self.vocab, self.p = reference, vocab, 1.0
         self.rng = random.Random(0)
 
@@ -43,10 +41,13 @@ class SetAcceptanceProposer(NgramProposer):
         for r in running:
             ref = self.reference[tuple(r.prompt_token_ids)]
             n = r.num_output_tokens
-            right = ref[n:n + self._room(r)]
+            right = ref[n:n + draft_room(r, self.config.num_speculative_tokens, self.max_model_len)]
             r.spec_token_ids = [t if self.rng.random() < self.p else (t + 1) % self.vocab for t in right]
         if spec_cost is not None:
             spec_cost.limit(running)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request."""
 
 
 def counts(llm: LLM) -> tuple[int, int, int, int]:
@@ -62,14 +63,6 @@ def timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, list[
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     return seconds, [o.outputs[0].token_ids for o in outs], tuple(a - c for a, c in zip(counts(llm), before))
-
-
-def release_gpu_memory() -> None:
-    """After the caller dropped its last reference to an engine: give its GPU memory back before
-    the next engine sizes its KV pool (the pool is what is left after every live allocation)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 def main() -> None:
     ap = argparse.ArgumentParser()

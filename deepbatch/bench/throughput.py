@@ -17,7 +17,6 @@ the GPU allocator view (``bench/memory_report.py``).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import subprocess
@@ -27,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from deepbatch.bench.roofline import H200_FLOPS, model_cost, workload_ceiling
+from deepbatch.bench.timing import release_gpu_memory
 from deepbatch.layers.quantization import get_quantization_config
 from deepbatch.models.config_checks import kv_sliding_window
 from deepbatch.bench.memory_report import KVSampler, format_memory
@@ -168,9 +168,8 @@ def run(args: argparse.Namespace) -> dict:
         # Every reference to the engine must go (the KV sampler wraps its step), or its KV cache
         # keeps the GPU memory the peer needs.
         del llm, engine, sampler, outs
-        gc.collect()
+        release_gpu_memory()
         if device.startswith("cuda"):
-            torch.cuda.empty_cache()
             logging.getLogger(__name__).info("GPU memory left to the peers: %.1f GiB allocated by torch",
                                              torch.cuda.memory_allocated() / 2**30)
         hf = _hf_model(hf_config, hf_dtype, state, device)

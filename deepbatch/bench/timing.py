@@ -1,4 +1,5 @@
-"""Timing one GPU launch sequence for the kernel sweeps in ``benchmarks/``."""
+"""Timing one GPU launch sequence for the kernel sweeps in ``benchmarks/``, and giving an
+engine's GPU memory back between the runs of one benchmark."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def device_time_us(fn: Callable[[], object], reps: int, warmup: int = 3) -> floa
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3
+
+
+def release_gpu_memory() -> None:
+    """After the caller dropped its last reference to an engine: give its GPU memory back, so
+    that the next engine (or a peer) sizes its KV pool on what is really free."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -79,7 +79,8 @@ class LLMEngine:
         self.runner.calibrate_kv_scales()  # fp8 scales the checkpoint lacks, if asked; before any graph
         drafter = build_drafter(config, self.runner, self.hf_config, self.tokenizer, self.max_model_len)
         self.num_blocks = self.runner.profile_num_blocks(drafter.kv_bytes_per_block() if drafter is not None else 0)
-        swap = self._swap_cost_model()  # measured before the KV cache takes the memory
+        # Measured before the KV cache takes the memory; a block swaps with the drafter's rows of it.
+        swap = self._swap_cost_model(drafter.swapped_bytes_per_block() if drafter is not None else 0)
         self.runner.init_kv_cache(self.num_blocks)
         # Speculative decoding drafts from the committed tokens, so a step with drafts is
         # synchronous; under async scheduling the steps the cost model keeps free of drafts stay
@@ -123,15 +124,15 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.forget(request_id)
 
-    def _swap_cost_model(self) -> tuple[int, SwapCostModel] | None:
-        """Host blocks and cost model for ``swap_space`` (None when it is 0). Refuses a swap space
-        the cgroup or the host cannot hold."""
+    def _swap_cost_model(self, extra_bytes_per_block: int = 0) -> tuple[int, SwapCostModel] | None:
+        """Host blocks and cost model for ``swap_space`` (None when it is 0), each block of the KV
+        and ``extra_bytes_per_block`` more. Refuses a swap space the cgroup or the host cannot hold."""
         cache = self.config.cache
         if cache.swap_space <= 0:
             return None
         swap_bytes = int(cache.swap_space * 2**30)
         check_swap_space(swap_bytes * self.config.parallel.tensor_parallel_size)  # a pool per rank
-        per_block = self.runner.kv_bytes_per_block()
+        per_block = self.runner.kv_bytes_per_block() + extra_bytes_per_block
         n = num_host_blocks(swap_bytes, per_block)
         if n < 1:
             raise ValueError(f"swap_space: {cache.swap_space} GiB holds no KV block ({per_block} bytes)")

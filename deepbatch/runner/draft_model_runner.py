@@ -29,6 +29,7 @@ from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.layers.attention import make_backend
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.cuda_graph import CudaGraphs, capture_or_none
+from deepbatch.runner.model_runner import block_bytes, layer_cache_specs
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,7 @@ class DraftModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = make_backend(backend)
         self.attn_layers = self.model.attention_layers()
-        self._specs = [a.cache_specs(self.dtype) if hasattr(a, "cache_specs")
-                       else [(shape, self.dtype) for shape in a.cache_shapes()] for a in self.attn_layers]
+        self._specs = [layer_cache_specs(a, self.dtype) for a in self.attn_layers]
         self.kv_caches: list[list[torch.Tensor]] = []
         self.num_blocks = 0
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -87,8 +87,12 @@ class DraftModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one draft block over every layer."""
-        return sum(self.block_size * int(np.prod(shape)) * dtype.itemsize
-                   for specs in self._specs for shape, dtype in specs)
+        return block_bytes(self._specs, self.block_size)
+
+    def swapped_bytes_per_block(self) -> int:
+        """What a swapped target block carries of the draft's: nothing (a preempted request's
+        draft cache is dropped and caught up again)."""
+        return 0
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

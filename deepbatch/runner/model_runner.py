@@ -42,6 +42,19 @@ from deepbatch.core.scheduler_output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def layer_cache_specs(layer, cache_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(per-token shape, dtype)`` of each paged tensor of an attention layer's cache: its own
+    ``cache_specs``, or its ``cache_shapes`` in ``cache_dtype`` (which must be the model dtype)."""
+    if hasattr(layer, "cache_specs"):
+        return layer.cache_specs(cache_dtype)
+    return [(shape, cache_dtype) for shape in layer.cache_shapes()]
+
+
+def block_bytes(specs: list[list[tuple[tuple[int, ...], torch.dtype]]], block_size: int) -> int:
+    """Bytes of one block of ``block_size`` tokens over every layer's cache tensors."""
+    return sum(block_size * math.prod(shape) * dtype.itemsize for layer in specs for shape, dtype in layer)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, max_model_len: int):
         self.config = config
@@ -75,17 +88,14 @@ class ModelRunner:
 
     def _layer_cache_specs(self, layer, cache_dtype=None) -> list[tuple[tuple[int, ...], torch.dtype]]:
         cache_dtype = cache_dtype or self.kv_cache_dtype
-        if hasattr(layer, "cache_specs"):
-            return layer.cache_specs(cache_dtype)
-        if cache_dtype != self.dtype:
+        if not hasattr(layer, "cache_specs") and cache_dtype != self.dtype:
             raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r}: {type(layer).__name__} keeps its "
                              f"cache in the model dtype only; use kv_cache_dtype='auto'")
-        return [(shape, self.dtype) for shape in layer.cache_shapes()]
+        return layer_cache_specs(layer, cache_dtype)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block over every layer: K/V in the cache dtype plus any scales beside them."""
-        return sum(self.block_size * math.prod(shape) * dtype.itemsize
-                   for specs in self._cache_specs for shape, dtype in specs)
+        return block_bytes(self._cache_specs, self.block_size)
 
     def _alloc_caches(self, num_blocks: int, cache_dtype=None) -> list[list[torch.Tensor]]:
         """Caches for every layer in the configured format, or in ``cache_dtype`` (scratch)."""

@@ -25,6 +25,7 @@ import torch
 
 from deepbatch.config import EngineConfig
 from deepbatch.runner.draft_model_runner import packed_batch
+from deepbatch.runner.model_runner import block_bytes
 
 
 class MTPRunner:
@@ -48,8 +49,11 @@ class MTPRunner:
 
     def kv_bytes_per_block(self) -> int:
         """The MTP layer's latent and the target's hidden-state rows of one block."""
-        latent = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in self._specs)
-        return self.block_size * (latent + self.hidden_size * self.dtype.itemsize)
+        return block_bytes([self._specs], self.block_size) + self.swapped_bytes_per_block()
+
+    def swapped_bytes_per_block(self) -> int:
+        """What a swapped target block carries beside its KV: its tokens' hidden-state rows."""
+        return self.block_size * self.hidden_size * self.dtype.itemsize
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = [torch.zeros((num_blocks, self.block_size, *shape), dtype=dtype, device=self.device)

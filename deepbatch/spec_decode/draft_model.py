@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepbatch.spec_decode.room import draft_room, speculation_off
+
 
 @dataclass
 class DraftSeq:
@@ -65,9 +67,9 @@ class DraftModelProposer:
         draft runs, so the forwards the cost model would cut are never run."""
         self._release_left(running)
         cfg = self.config
-        off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
+        off = speculation_off(cfg, running)
         for r in running:
-            k = 0 if off else self._room(r)
+            k = 0 if off else draft_room(r, cfg.num_speculative_tokens, self.max_model_len)
             # Placeholders the cost model caps: only the count matters to it.
             r.spec_token_ids = [0] * k
         if spec_cost is not None:
@@ -137,11 +139,3 @@ class DraftModelProposer:
         ids = {r.request_id for r in running}
         for rid in [i for i in self.seqs if i not in ids]:
             self.free_blocks.extend(self.seqs.pop(rid).blocks)
-
-    def _room(self, r) -> int:
-        """How many drafts the request may take this step (0: none)."""
-        if r.num_pending_tokens or r.num_tokens - r.num_computed_tokens != 1:
-            return 0
-        # The step adds the accepted drafts and one token more: neither limit may be passed.
-        return max(0, min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
-                          self.max_model_len - r.num_tokens - 1))

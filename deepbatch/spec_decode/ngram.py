@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from deepbatch.spec_decode.room import draft_room, speculation_off
+
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` drafts for the sequence ``tokens`` (1-D integers); [] when none of its last
@@ -70,9 +72,9 @@ class NgramProposer:
         """Set ``spec_token_ids`` of every running request (empty where it does not draft),
         each capped by ``spec_cost`` (``control/spec_cost.py``) when given."""
         cfg = self.config
-        off = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
+        off = speculation_off(cfg, running)
         for r in running:
-            k = 0 if off else self._room(r)
+            k = 0 if off else draft_room(r, cfg.num_speculative_tokens, self.max_model_len)
             r.spec_token_ids = propose_ngram(self._array(r), cfg.prompt_lookup_min,
                                              cfg.prompt_lookup_max, k) if k else []
         if spec_cost is not None:
@@ -95,11 +97,3 @@ class NgramProposer:
         buf[n:len(tokens)] = tokens[n:]
         self._tokens[r.request_id] = (buf, len(tokens))
         return buf[:len(tokens)]
-
-    def _room(self, r) -> int:
-        """How many drafts the request may take this step (0: none)."""
-        if r.num_pending_tokens or r.num_tokens - r.num_computed_tokens != 1:
-            return 0
-        # The step adds the accepted drafts and one token more: neither limit may be passed.
-        return max(0, min(self.config.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
-                          self.max_model_len - r.num_tokens - 1))

@@ -69,15 +69,18 @@ def reference_drafts(target, deeper, extra, tokens: list[int], k: int) -> list[i
     return drafts
 
 
-def test_drafts_are_the_mtp_layers_and_the_output_is_the_targets(checkpoint, monkeypatch):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_drafts_are_the_mtp_layers_and_the_output_is_the_targets(checkpoint, monkeypatch, preemption):
     from transformers import AutoModelForCausalLM
 
     path, deeper_path, extra = checkpoint
     ps = prompts()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, **COMMON).generate(ps, params, use_tqdm=False)]
-    # A pool of 9 blocks preempts (by recompute): the MTP cache is dropped and caught up again.
-    llm = LLM(path, **COMMON, num_gpu_blocks_override=9, speculative_config=SPEC)
+    # A pool of 9 blocks preempts: the MTP cache is dropped and caught up again, from hidden-state
+    # rows recomputed, or swapped out and back in with their blocks.
+    swap = dict(swap_space=0.01, preemption_mode="swap") if preemption == "swap" else {}
+    llm = LLM(path, **COMMON, num_gpu_blocks_override=9, speculative_config=SPEC, **swap)
     engine = llm.engine
     choices = alternate_draft_steps(engine, monkeypatch)
     seen = []
