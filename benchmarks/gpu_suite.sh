@@ -100,6 +100,9 @@ run_stage() {
     # Speed-up against a set acceptance rate at batch 1/8/64/256, every draft and the cost model.
     spec-decode-curve) stage $1 ${T_SDC:-420} python3 benchmarks/spec_decode_curve.py --model-config "$M/qwen3-0.6b.json" ${SDC_ARGS:-} \
       --output-json "$OUT/$1.json" ;;
+    # Where a verification step's time goes at batch 1 and 8: sync, k + 1 tokens, k + 1 sampled rows.
+    spec-verify-cost) stage $1 ${T_SVC:-240} python3 benchmarks/spec_verify_cost.py --model-config "$M/qwen3-0.6b.json" \
+      ${SVC_ARGS:-} --output-json "$OUT/$1.json" ;;
     kernels-sampling) stage $1 150 $PYTEST -m gpu tests/kernels/test_sample.py tests/kernels/test_sample_top_k_top_p.py tests/kernels/test_sample_rejection.py \
       tests/kernels/test_apply_penalties.py tests/kernels/test_logprobs_topk.py tests/sampling ;;
     nano-x4-fused-sampler) stage nano-x4-fused-sampler 120 $TP --workload nano-x4 --model-config "$M/qwen3-0.6b.json" \
