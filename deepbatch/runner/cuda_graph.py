@@ -1,5 +1,6 @@
 """CUDA graphs for whole steps: decode-only steps, and (``cuda_graph_mode="full"``) steps that
-carry prefill chunks (``ModelRunner.mixed_graphs`` says when).
+carry prefill chunks and speculative decoding's verification steps (``ModelRunner.mixed_graphs``
+says when).
 
 A step replays the graph captured for the smallest size that holds it. Inputs live in static
 buffers; padding writes no KV (slot -1) and its outputs are dropped.
@@ -15,6 +16,12 @@ other op works row by row, so whatever those rows hold stays in them::
 
     tokens:           [ r0 chunk | r1 | r2 chunk | ... | padding up to size ]
     query_start_loc:  [0, q0, q0+1, ..., T, T, T, ..., T]      (max_num_seqs + 1 entries)
+
+Verification graphs (speculative decoding with ``k`` drafts) are mixed graphs cut to a verify
+step's shape: keyed by the batch ``B`` like decode graphs, ``B * (k + 1)`` tokens, ``B`` sequence
+slots, and the tile shapes of ``max_query_len = k + 1``. A step of ``B`` requests with up to
+``k + 1`` tokens each would otherwise pad to the next mixed size and to ``max_num_seqs`` slots,
+with the long-chunk tiles (320 tokens at batch 64 and ``k = 4`` run as 512).
 
 This works because the Triton attention kernels size their grids from shapes only
 (``num_tokens // BLOCK_Q + num_seqs`` programs, the idle ones return at once) and take the tile
@@ -55,17 +62,21 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
 
 
 class _GraphSet:
-    """Graphs of one kind of step, their static inputs and outputs."""
+    """Graphs of one kind of step, their static inputs and outputs. ``sizes`` are token counts;
+    ``query_len`` is a verification graph's ``k + 1`` (sequences of up to that many tokens), None
+    for the other kinds."""
 
     def __init__(self, model, sizes: list[int], mixed: bool, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, query_len: int | None = None):
         self.model = model
         self.sizes = sizes
-        self.mixed = mixed
+        self.mixed = mixed  # sequences of any length, laid out by query_start_loc
+        self.query_len = query_len
         self.max_model_len = max_model_len
         max_tokens = sizes[-1]
-        # A decode graph of size B holds B sequences; every mixed graph holds all the seats.
-        self.num_seq_slots = max_num_seqs if mixed else sizes[-1]
+        # A decode graph of size B holds B sequences, a verification graph size / (k + 1); every
+        # other mixed graph holds all the seats.
+        self.num_seq_slots = self.seats(max_tokens) if query_len or not mixed else max_num_seqs
         n, s = max_tokens, self.num_seq_slots
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -80,8 +91,14 @@ class _GraphSet:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
+    def seats(self, size: int) -> int:
+        """The sequence slots of graph ``size``."""
+        if self.query_len:
+            return size // self.query_len
+        return self.num_seq_slots if self.mixed else size
+
     def batch(self, size: int) -> ForwardBatch:
-        seqs = self.num_seq_slots if self.mixed else size
+        seqs = self.seats(size)
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
@@ -92,7 +109,7 @@ class _GraphSet:
             logits_indices=self.query_start_loc[1 : seqs + 1].long() - 1,
             # A mixed graph takes the tile shapes of a batch with a chunk as long as the graph:
             # the kernels then launch both their short- and long-chunk variants.
-            max_query_len=size if self.mixed else 1,
+            max_query_len=(self.query_len or size) if self.mixed else 1,
             max_seq_len=self.max_model_len,
         )
 
@@ -110,6 +127,10 @@ class _GraphSet:
         self.graphs[size] = graph
 
     def size_for(self, batch: ForwardBatch) -> int | None:
+        if self.query_len:  # the smallest graph with a seat for each sequence (each fits its k + 1)
+            if not self.graphs or batch.max_query_len > self.query_len or batch.num_seqs > self.num_seq_slots:
+                return None
+            return next(s for s in self.sizes if self.seats(s) >= batch.num_seqs)
         n = batch.num_tokens if self.mixed else batch.num_seqs
         if not self.graphs or n > self.sizes[-1] or batch.num_seqs > self.num_seq_slots:
             return None
@@ -142,16 +163,20 @@ class _GraphSet:
 
 
 class CudaGraphs:
-    """Decode graphs and, when ``mixed``, graphs for steps that carry prefill chunks."""
+    """Decode graphs and, when ``mixed``, graphs for steps that carry prefill chunks; with
+    ``verify_query_len`` (``k + 1``), verification graphs as well."""
 
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, verify_query_len: int | None = None):
         self.decode = _GraphSet(model, capture_sizes(max_num_seqs), False, max_num_seqs, max_blocks_per_seq,
                                 max_model_len, device)
-        self.mixed = None
+        self.mixed = self.verify = None
         if max_num_batched_tokens is not None:
             self.mixed = _GraphSet(model, mixed_capture_sizes(max_num_batched_tokens), True, max_num_seqs,
                                    max_blocks_per_seq, max_model_len, device)
+            if verify_query_len and verify_query_len > 1:
+                self.verify = _GraphSet(model, [b * verify_query_len for b in capture_sizes(max_num_seqs)], True,
+                                        max_num_seqs, max_blocks_per_seq, max_model_len, device, verify_query_len)
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -159,29 +184,33 @@ class CudaGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         # Largest first across both kinds, so that every later graph fits in the pool's blocks.
-        order = [(s, self.decode) for s in self.decode.sizes]
-        if self.mixed is not None:
-            order += [(s, self.mixed) for s in self.mixed.sizes]
-        order.sort(key=lambda x: -x[0])
+        sets = [g for g in (self.decode, self.mixed, self.verify) if g is not None]
+        order = sorted(((s, g) for g in sets for s in g.sizes), key=lambda x: -x[0])
         for size, graphs in order:
-            # Decode graphs warm up twice (the first call of a shape also tunes cuBLAS); the
-            # mixed ones once: their kernels were compiled by the larger sizes before them.
-            graphs.capture(size, pool, stream, warmups=1 if graphs.mixed and size != order[0][0] else 2)
+            # Decode and verification graphs warm up twice (the first call of a shape also tunes
+            # cuBLAS); the other mixed ones once: their kernels were compiled by the larger sizes
+            # before them.
+            once = graphs is self.mixed and size != order[0][0]
+            graphs.capture(size, pool, stream, warmups=1 if once else 2)
         torch.cuda.synchronize()
         mixed = f" and {len(self.mixed.sizes)} mixed (up to {self.mixed.sizes[-1]} tokens)" if self.mixed else ""
+        if self.verify is not None:
+            mixed += f" and {len(self.verify.sizes)} verification ({self.verify.query_len} tokens a sequence)"
         logger.info("captured %d decode CUDA graphs (batch 1..%d)%s in %.1f s", len(self.decode.sizes),
                     self.decode.sizes[-1], mixed, time.perf_counter() - t0)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Hidden states ``[T, hidden]`` of the step through a graph, or None when no graph
         holds it (the caller runs it eagerly)."""
-        graphs = self.decode if batch.max_query_len == 1 else self.mixed
-        if graphs is None:
-            return None
-        size = graphs.size_for(batch)
-        if size is None:
-            return None
-        return graphs.run(batch, size)
+        if batch.max_query_len == 1:
+            choices = (self.decode,)
+        else:  # a verification-shaped step takes the tighter graph when one holds it
+            choices = (self.verify, self.mixed)
+        for graphs in choices:
+            size = graphs.size_for(batch) if graphs is not None else None
+            if size is not None:
+                return graphs.run(batch, size)
+        return None
 
 
 def capture_or_none(graphs: CudaGraphs, what: str) -> CudaGraphs | None:

@@ -215,16 +215,17 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Compile the kernels, then capture step graphs (after the KV cache exists); a no-op on
         the CPU, kernels only when eager.
-        Steps with prefill chunks get graphs too (``mixed_graphs``)."""
+        Steps with prefill chunks and verification steps get graphs too (``mixed_graphs``)."""
         if self.device.type != "cuda":
             return
         self._warm_up_kernels()
         if self.config.enforce_eager:
             return
         mixed = self.mixed_graphs()
-        sched = self.config.scheduler
+        sched, spec = self.config.scheduler, self.config.speculative_config
         graphs = CudaGraphs(self.model, sched.max_num_seqs, self.max_blocks_per_seq, self.max_model_len, self.device,
-                            max_num_batched_tokens=sched.max_num_batched_tokens if mixed else None)
+                            max_num_batched_tokens=sched.max_num_batched_tokens if mixed else None,
+                            verify_query_len=spec.num_speculative_tokens + 1 if spec is not None else None)
         self.graphs = capture_or_none(graphs, "decode")
 
     def mixed_graphs(self) -> bool:
