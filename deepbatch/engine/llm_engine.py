@@ -46,7 +46,7 @@ from deepbatch.runner.kv_swap import measure_host_link_bytes_per_s
 from deepbatch.runner.model_runner import ModelRunner
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.control.controller import make_controller
-from deepbatch.engine.speculation import build_drafter, build_proposer
+from deepbatch.engine.speculation import build_draw_seeds, build_drafter, build_proposer
 from deepbatch.scheduler.preemption import Preemptor
 from deepbatch.scheduler.scheduler import Scheduler
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -86,6 +86,7 @@ class LLMEngine:
         # synchronous; under async scheduling the steps the cost model keeps free of drafts stay
         # asynchronous (``_step_async``).
         self.proposer, self.spec_cost = build_proposer(config, drafter, self.num_blocks, self.max_model_len)
+        self.draw_seeds = build_draw_seeds(config)
         self.kv_cache = KVCacheManager(self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        sliding_window=kv_sliding_window(self.hf_config))
         preemptor = Preemptor(self.kv_cache)
@@ -199,6 +200,8 @@ class LLMEngine:
         text, ids, max_tokens = self.validate(prompt, params)
         grammar = self.grammars.prepare(params)  # compiled here unless attached by prepare_structured_output
         params = replace(params, _eos_token_ids=self.eos_token_ids)
+        if self.draw_seeds is not None:
+            params = self.draw_seeds(params, grammar)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         out = []
         for i in range(params.n):

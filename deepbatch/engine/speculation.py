@@ -4,8 +4,13 @@ the cost model that caps them."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 from deepbatch.config import EngineConfig
 from deepbatch.control.spec_cost import SpecCostModel
+from deepbatch.core.sampling_params import SamplingParams
+from deepbatch.sampling.draft_rows import draws_like_target
 
 
 def build_drafter(config: EngineConfig, runner, hf_config, tokenizer, max_model_len: int):
@@ -44,3 +49,24 @@ def build_proposer(config: EngineConfig, drafter, num_blocks: int, max_model_len
 
         proposer = NgramProposer(spec, max_model_len)
     return proposer, SpecCostModel(spec.num_speculative_tokens) if spec.cost_model else None
+
+
+class DrawSeeds:
+    """Seeds for the requests a drafting model draws as its target will
+    (``sampling/draft_rows.py``): the two draws of a place meet only under the same noise, which
+    an unseeded request draws afresh each call. A request without a seed gets one here (from the
+    engine's seed), which leaves its output distributed as before."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def __call__(self, params: SamplingParams, grammar) -> SamplingParams:
+        if params.seed is None and draws_like_target(params, grammar):
+            return replace(params, seed=self.rng.getrandbits(64))
+        return params
+
+
+def build_draw_seeds(config: EngineConfig) -> DrawSeeds | None:
+    """``DrawSeeds`` where a drafting model draws drafts (draft_model, mtp), else None."""
+    spec = config.speculative_config
+    return DrawSeeds(config.model.seed) if spec is not None and spec.method in ("draft_model", "mtp") else None

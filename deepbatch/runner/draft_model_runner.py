@@ -11,9 +11,11 @@ draft's bytes per token are small beside the target's). Under tensor parallelism
 built outside the ranks' group, so it runs whole in rank 0's process and never communicates; its
 drafts reach the other ranks in the step messages, as prompt lookup's do.
 
-Drafts are the draft's argmax. Verification draws every position as the request would
-(``sampling/draft_rows.py``), so the method is lossless whatever the drafts; a greedy draft is
-the likeliest to match a greedy target, and for sampled requests the draws decide.
+Verification draws every position as the request would (``sampling/draft_rows.py``), so the
+method is lossless whatever the drafts. The draft draws each draft as the target will draw the
+token in its place (``draw_drafts``): the argmax for a greedy request, and for a sampled one the
+same temperature, filters and noise, so that a draft distribution near the target's drafts the
+target's own draw.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from deepbatch.layers.attention import make_backend
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.cuda_graph import CudaGraphs, capture_or_none
 from deepbatch.runner.model_runner import block_bytes, layer_cache_specs
+from deepbatch.sampling.draft_rows import draw_drafts
+from deepbatch.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class DraftModelRunner:
         self.input_vocab = hf_config.vocab_size
         # Drafts are ids the target can sample.
         self.draft_vocab = min(hf_config.vocab_size, target_hf_config.vocab_size)
+        self.sampler = Sampler(self.draft_vocab, self.device, max_num_seqs=config.scheduler.max_num_seqs)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -124,12 +129,14 @@ class DraftModelRunner:
                 continue
             seqs = [([0], context - 1, blocks, True)] + ([([0] * chunk, 0, blocks, True)] if chunk else [])
             self.forward(seqs)
+        self.sampler.warm_up()
         torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]]) -> list[int]:
+    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]], rows: list | None = None) -> list[int]:
         """One forward over packed sequences (``packed_batch``); for each entry with ``sample``,
-        the draft's greedy token after its last one, in order."""
+        the draft's token after its last one, in order: drawn for ``rows`` (``draw_drafts``, one
+        per sampled entry), the argmax without them."""
         batch = packed_batch(seqs, self.block_size, self.device)
         # An id past the draft's embedding (a target that pads its vocabulary wider and sampled a
         # padded id) would index out of range; it only makes the drafts worse.
@@ -141,7 +148,7 @@ class DraftModelRunner:
         if not len(logits_idx):
             return []
         logits = self.model.compute_logits(hidden[logits_idx])
-        return logits[:, :self.draft_vocab].argmax(dim=-1).tolist()
+        return draw_drafts(self.sampler, logits[:, :self.draft_vocab], rows)
 
 
 def packed_batch(seqs: list[tuple[list[int], int, list[int], bool]], block_size: int,

@@ -5,7 +5,7 @@ The MTP layer at position p reads the target's final hidden state there and the 
 token after it, and predicts the token after that::
 
     x_p = eh_proj([ enorm(embed(t[p+1])) | hnorm(h[p]) ]) -> decoder layer (MLA, MoE)
-    draft = argmax(head(shared_head.norm(x_p)))                  the token at p + 2
+    draft ~ head(shared_head.norm(x_p))                            the token at p + 2
 
 So the target's hidden states must outlive its forward: the runner writes every forward's
 hidden states into a cache laid out like the KV cache (one row per token slot, a tensor beside the
@@ -14,7 +14,8 @@ table. Its own attention keeps a latent cache of its own blocks (``spec_decode/m
 them per request). Drafts after the first chain the layer on itself, as DeepSeek's MTP modules
 are chained: its output at the previous position (before the final norm) stands in for the
 target's hidden state, and the previous draft for the token. The embedding and the head are the
-target's (V3 shares them). The hidden-state rows and the MTP layer's latent are counted beside
+target's (V3 shares them). A draft is drawn as the draft model's are (``draw_drafts``: the
+argmax for a greedy request). The hidden-state rows and the MTP layer's latent are counted beside
 each target block when the pool is sized.
 """
 
@@ -26,6 +27,8 @@ import torch
 from deepbatch.config import EngineConfig
 from deepbatch.runner.draft_model_runner import packed_batch
 from deepbatch.runner.model_runner import block_bytes
+from deepbatch.sampling.draft_rows import draw_drafts
+from deepbatch.sampling.sampler import Sampler
 
 
 class MTPRunner:
@@ -46,6 +49,8 @@ class MTPRunner:
         self._specs = self.layer.self_attn.cache_specs(self.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.hidden_cache: torch.Tensor | None = None
+        self.sampler = Sampler(target_runner.sampler.vocab_size, self.device,
+                               max_num_seqs=config.scheduler.max_num_seqs)
 
     def kv_bytes_per_block(self) -> int:
         """The MTP layer's latent and the target's hidden-state rows of one block."""
@@ -70,19 +75,20 @@ class MTPRunner:
         return self.hidden_cache[torch.from_numpy(slots).to(self.device)]
 
     @torch.no_grad()
-    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]],
-                hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]], hidden: torch.Tensor,
+                rows: list | None = None) -> tuple[list[int], torch.Tensor]:
         """The MTP layer over packed sequences (``packed_batch``: each entry's tokens are the
         tokens after its positions); ``hidden`` holds one row per token, the hidden state at that
-        position. Returns, for each entry with ``sample``, the greedy draft and the layer's output
-        at that row (what the next chained draft reads)."""
+        position. Returns, for each entry with ``sample``, the draft (drawn for ``rows`` as
+        ``sampling/draft_rows.py``'s ``draw_drafts`` says, the argmax without them) and the layer's
+        output at that row (what the next chained draft reads)."""
         batch = packed_batch(seqs, self.block_size, self.device)
         stack = self.model.model
         layer = self.layer
         embedded = layer.enorm(stack.embed_tokens(batch.input_ids))
         x = layer.eh_proj(torch.cat([embedded, layer.hnorm(hidden.to(embedded.dtype))], dim=-1))
         x, residual = layer(x, None, stack.rotary.at(batch.positions), batch)
-        rows = batch.logits_indices
-        normed, out = layer.shared_head.norm(x[rows], residual[rows])
+        last = batch.logits_indices
+        normed, out = layer.shared_head.norm(x[last], residual[last])
         logits = self.model.compute_logits(normed)
-        return logits.argmax(dim=-1).tolist(), out
+        return draw_drafts(self.sampler, logits, rows), out

@@ -21,6 +21,8 @@ distribution at a position depends on the tokens before it in a way one row cann
 
 from __future__ import annotations
 
+import torch
+
 from deepbatch.core.draft_row import DraftRow
 from deepbatch.core.request import Request
 
@@ -67,3 +69,30 @@ def kept_rows(token_ids: list[int], num_requests: int, drafts: list[tuple[int, l
         kept[row] = list(range(offset, offset + n + 1)) if n < len(d) else [*range(offset, offset + n), row]
         offset += len(d)
     return kept
+
+
+def draws_like_target(params, structured_output) -> bool:
+    """Whether a drafting model draws this request's drafts as its target will (``draw_drafts``):
+    a sampled request without penalties or a grammar, whose draw at a place needs nothing but
+    the logits (the others' drafts are the argmax)."""
+    return not params.greedy and not params.needs_penalties and structured_output is None
+
+
+def draw_drafts(sampler, logits: torch.Tensor, rows: list[DraftRow] | None) -> list[int]:
+    """A drafting model's tokens (``logits``: one row per draft), each drawn as the target will
+    draw the token in its place: ``rows[i]`` is that place (the request seen past the drafts
+    before it), so the draw takes the request's temperature, filters and noise at that output
+    position. The target's draw there is then the draft wherever the two models' distributions
+    agree enough to pick the same token under the same noise (coupled draws): a draft model as
+    good as its target drafts every sampled token right, where a greedy draft is right only as
+    often as the target draws the likeliest token. The noise is the request's seed's; the engine
+    gives each request drawn this way that has none a seed of its own
+    (``LLMEngine.make_requests``), since unseeded noise is drawn afresh by every call. Rows that
+    ``draws_like_target`` rules out (and every row when ``rows`` is None) take the argmax."""
+    tokens = logits.argmax(dim=-1)
+    drawn = [i for i, r in enumerate(rows or ()) if draws_like_target(r.sampling_params, r.structured_output)]
+    if drawn:
+        idx = torch.tensor(drawn, device=logits.device)
+        # A row whose draw fails comes back as token 0: only that draft is wrong.
+        tokens[idx] = sampler.sample(logits[idx].float(), [rows[i] for i in drawn]).token_ids
+    return tokens.tolist()

@@ -3,8 +3,12 @@
 Before a step, for the requests that draft, the draft model (``runner/draft_model_runner.py``)
 runs k forwards over the batch:
 
-    forward 1:  each request's tokens the draft cache lacks   -> d1 (the draft's argmax)
+    forward 1:  each request's tokens the draft cache lacks   -> d1
     forward j:  d(j-1), one token per request                 -> dj        (j = 2..k)
+
+Each draft is drawn as the target will draw the token in its place (``places``: the argmax for a
+greedy request; for a sampled one its temperature, filters and noise at that output position), so
+a draft model close to its target drafts the target's own draws.
 
 The draft cache keeps what it computed: the request's tokens, then d1..d(k-1). After the step the
 request's newest tokens are its accepted drafts and one more, so the cached prefix runs up to the
@@ -23,7 +27,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepbatch.core.draft_row import DraftRow
 from deepbatch.spec_decode.room import draft_room, speculation_off
+
+
+def places(requests: list, offset: int) -> list[DraftRow] | None:
+    """Where each request's draft number ``offset`` (0-based) will stand when the target draws it:
+    the request seen past the drafts before it. None when every request is greedy (the drafter
+    then takes the argmax without them: no rows to build)."""
+    if all(r.sampling_params.greedy for r in requests):
+        return None
+    return [DraftRow(r, offset, r.spec_token_ids[:offset]) for r in requests]
 
 
 @dataclass
@@ -46,7 +60,7 @@ class DraftSeq:
 
 
 class DraftModelProposer:
-    """Sets ``spec_token_ids`` of the running requests from the draft model's greedy tokens.
+    """Sets ``spec_token_ids`` of the running requests from the draft model's tokens.
     ``runner`` is the draft's ``DraftModelRunner``: ``forward``, ``block_size``, ``num_blocks``."""
 
     def __init__(self, config, runner, max_model_len: int, max_catch_up: int):
@@ -100,7 +114,7 @@ class DraftModelProposer:
 
     def _draft(self, jobs: list) -> None:
         tokens = self.runner.forward([(r.all_token_ids[start:end], start, seq.blocks, k > 0)
-                                      for r, seq, start, end, k in jobs])
+                                      for r, seq, start, end, k in jobs], places([r for r, *_, k in jobs if k], 0))
         drafting = []
         for r, seq, _, end, k in jobs:
             seq.computed = end
@@ -111,7 +125,7 @@ class DraftModelProposer:
             drafting = [(r, seq, k) for r, seq, k in drafting if k > j]
             # Draft j's KV at its position (the request's tokens, then drafts 1..j-1).
             tokens = self.runner.forward([(r.spec_token_ids[-1:], seq.computed + j - 1, seq.blocks, True)
-                                          for r, seq, _ in drafting])
+                                          for r, seq, _ in drafting], places([r for r, _, _ in drafting], j))
             for (r, seq, _), t in zip(drafting, tokens):
                 seq.drafts.append(r.spec_token_ids[-1])
                 r.spec_token_ids.append(t)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepbatch.spec_decode.draft_model import DraftModelProposer, DraftSeq
+from deepbatch.spec_decode.draft_model import DraftModelProposer, DraftSeq, places
 
 
 class MTPProposer(DraftModelProposer):
@@ -35,7 +35,8 @@ class MTPProposer(DraftModelProposer):
             slots.append(np.asarray(r.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
         tokens, out = self.runner.forward([(r.all_token_ids[start + 1:end + 1], start, seq.blocks, k > 0)
                                            for r, seq, start, end, k in jobs],
-                                          self.runner.target_hidden(np.concatenate(slots)))
+                                          self.runner.target_hidden(np.concatenate(slots)),
+                                          places([r for r, *_, k in jobs if k], 0))
         drafting = []
         for r, seq, _, end, k in jobs:
             seq.computed = end
@@ -46,7 +47,8 @@ class MTPProposer(DraftModelProposer):
             drafting = [d for d in drafting if d[2] > j]
             rows = [row for _, _, _, row in drafting]
             tokens, out = self.runner.forward([(r.spec_token_ids[-1:], seq.computed + j - 1, seq.blocks, True)
-                                               for r, seq, _, _ in drafting], out[rows])
+                                               for r, seq, _, _ in drafting], out[rows],
+                                              places([r for r, _, _, _ in drafting], j))
             for (r, _, _, _), t in zip(drafting, tokens):
                 r.spec_token_ids.append(t)
             drafting = [(r, seq, k, i) for i, (r, seq, k, _) in enumerate(drafting)]

@@ -100,6 +100,26 @@ def test_sampling_options_write_what_they_write_without_drafts(tiny_checkpoints,
     assert True in choices and False in choices
 
 
+def test_sampled_drafts_are_drawn_as_the_target_draws_them(tiny_checkpoints, reference):
+    # The target drafting for itself at temperature 1 with top-p and top-k: each draft is drawn
+    # under the noise the target will draw that place with, so every draft is the target's own
+    # draw and is kept; the seeded request writes what it writes without drafts, the unseeded one
+    # is seeded by the engine. A greedy draft would be kept only where the target happens to draw
+    # its likeliest token (few times here: the tiny model's distributions are broad).
+    target = tiny_checkpoints["llama"]
+    llm = tiny_llm(target, speculative_config=draft_config(target, cost_model=False))
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=21, max_tokens=40, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    want = reference.generate(PROMPTS[:2], seeded, use_tqdm=False)
+    got = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
+    assert_same_tokens(want, got)
+    llm.generate(PROMPTS[2:4], unseeded, use_tqdm=False)
+    stats = llm.engine.stats
+    print(f"\n{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} sampled drafts accepted")
+    assert stats.spec_num_draft_tokens >= 100
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
 def test_smollm2_drafting_for_itself_follows_a_json_schema(smollm_llm):
     # The embedded GGUF as its own draft: the tokenizers are compared and agree. The draft knows
     # nothing of the grammar; the target's masked draws decide.
