@@ -17,22 +17,31 @@ so that a change of workload shows within about a hundred steps, moved towards t
 record as it drafts (a request that copies its prompt keeps drafting beside one that never does).
 With a fixed cost and a cost per position, the best set of n positions is the n likeliest, so the
 model evaluates every count n of positions taken in falling acceptance and keeps the best, none
-included. Both kinds of step stay measured: where no draft pays, one step in ``EXPLORE_EVERY``
-drafts anyway (the acceptance); where drafts pay, one step in ``EXPLORE_EVERY`` runs without
-(the plain step time). Until both fits exist, steps alternate between every draft and none.
+included. Both kinds of step stay measured: where no draft pays, a step now and then runs every
+draft anyway (the acceptance); where drafts pay, a step now and then runs without (the plain step
+time). Such a step costs throughput, the more the worse its arm (at saturation a step of every
+draft takes several plain steps' time and gains nothing), so the model spaces them to lose at
+most ``EXPLORE_BUDGET`` of the throughput: one step in ``EXPLORE_EVERY`` where exploring is cheap,
+up to one in ``MAX_EXPLORE_EVERY``. Until both fits exist, steps alternate between every draft and
+none.
 Prefill chunks sharing a step are left out of the tokens the decision counts, which makes drafts
 look dearer than they are: the model errs towards turning speculation off.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from deepbatch.control.step_time import StepTimeCoeffs, StepTimeFit
 
-# Every this many steps, the kind of step the model did not choose (with drafts, or without), so
-# that the acceptance and both step times stay measured.
+# Now and then the kind of step the model did not choose (with drafts, or without), so that the
+# acceptance and both step times stay measured: at most this share of the throughput lost to it,
+# one such step in EXPLORE_EVERY at the most often and in MAX_EXPLORE_EVERY at the least (a
+# change of workload still shows within that many steps).
+EXPLORE_BUDGET = 0.01
 EXPLORE_EVERY = 32
+MAX_EXPLORE_EVERY = 512
 # Steps of each kind measured before the model decides (until then the two alternate).
 MIN_PLAIN_STEPS = 8
 MIN_DRAFT_STEPS = 8
@@ -58,6 +67,8 @@ class SpecCostModel:
         self._unmeasured: deque[tuple[int, int, float, int]] = deque(maxlen=64)
         self.num_drafting_steps = 0
         self.num_steps = 0
+        self.explore_every = EXPLORE_EVERY  # set at each decision by what exploring would cost
+        self._since_explore = 0
         self.last_caps: list[int] | None = None  # the last step's, for the tests
 
     # -- measurements ----------------------------------------------------------------------
@@ -122,6 +133,22 @@ class SpecCostModel:
             return None
         return max(coeffs.predict(num_decoding, num_seqs), 1e-9), *cost  # a fit pinned at 0 divides too
 
+    def _decide(self, runs, num_decoding: int, prices) -> int:
+        """The best count of positions, taken from ``runs`` of ``(acceptance, count)`` in falling
+        acceptance (0: no drafts); sets ``explore_every`` from what a step of the other arm would
+        lose. Within a run the rate moves one way, so the best count ends a run."""
+        t0, d0, d1 = prices
+        gain, best, best_n, n = float(num_decoding), num_decoding / t0, 0, 0
+        for p, count in runs:
+            gain, n = gain + p * count, n + count
+            if gain / (t0 + d0 + d1 * n) > best:
+                best, best_n = gain / (t0 + d0 + d1 * n), n
+        # The other arm's step: its seconds beyond what its tokens take at the best rate.
+        other_t, other_gain = (t0, num_decoding) if best_n else (t0 + d0 + d1 * n, gain)
+        lost = max(0.0, other_t - other_gain / best) / (t0 + d0 + d1 * best_n if best_n else t0)
+        self.explore_every = min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, math.ceil(lost / EXPLORE_BUDGET)))
+        return best_n
+
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
         """Under async scheduling, before the drafts are proposed: whether the next step should
         run drafts (then synchronously; ``choose_caps`` then caps them and counts the step), at
@@ -130,16 +157,14 @@ class SpecCostModel:
         if num_decoding == 0:
             return False
         prices = self._prices(num_decoding, num_seqs)
-        if prices is None or (self.num_steps + 1) % EXPLORE_EVERY == 0:
+        if prices is None:
             return True
-        # Positions of one index share a probability: the best count ends a run of them.
-        t0, d0, d1 = prices
-        gain, best, n = float(num_decoding), num_decoding / t0, 0
-        for p in self.acceptance():
-            gain, n = gain + p * num_decoding, n + num_decoding
-            if gain / (t0 + d0 + d1 * n) > best:
-                return True
+        # Positions of one index share a probability.
+        pays = self._decide([(p, num_decoding) for p in self.acceptance()], num_decoding, prices) > 0
+        if pays or self._since_explore + 1 >= self.explore_every:
+            return True
         self.num_steps += 1
+        self._since_explore += 1
         return False
 
     def request_acceptance(self, r, engine_wide: list[float] | None = None) -> list[float]:
@@ -162,19 +187,15 @@ class SpecCostModel:
         of every count of positions taken in falling probability (none included), the one with
         the most expected output tokens per second."""
         self.num_steps += 1
-        explore = self.num_steps % EXPLORE_EVERY == 0
         prices = self._prices(num_decoding, num_seqs)
         if prices is None:  # learning both step times: every draft, then none
             return list(draft_lens) if self.num_steps % 2 else [0] * len(draft_lens)
-        t0, d0, d1 = prices
         positions = sorted(((p[j], j, i) for i, (p, n) in enumerate(zip(acceptance, draft_lens))
                             for j in range(min(n, len(p)))), key=lambda x: (-x[0], x[1]))
-        gain, best, best_n = float(num_decoding), num_decoding / t0, 0
-        for n, (q, _, _) in enumerate(positions, 1):
-            gain += q
-            if gain / (t0 + d0 + d1 * n) > best:
-                best, best_n = gain / (t0 + d0 + d1 * n), n
-        if explore:  # the arm not taken, to keep it measured
+        best_n = self._decide([(q, 1) for q, _, _ in positions], num_decoding, prices)
+        self._since_explore += 1
+        if self._since_explore >= self.explore_every:  # the arm not taken, to keep it measured
+            self._since_explore = 0
             return [0] * len(draft_lens) if best_n else list(draft_lens)
         caps = [0] * len(draft_lens)
         for _, _, i in positions[:best_n]:  # a request's positions come in order: its probabilities fall

@@ -4,8 +4,9 @@ and per-draft cost of a drafting step are measured apart from the plain step tim
 where they pay and stop where a drafting step costs more than its accepted drafts gain (tokens
 dear and drafts rarely accepted, or a drafting step's fixed cost at batch 1); each request's cap is
 the best of every possible assignment (counted exhaustively); a request's own record moves its
-acceptance; one step in ``EXPLORE_EVERY`` takes the other arm, under async scheduling too; the
-counters it reads may be reset."""
+acceptance; now and then a step takes the other arm, under async scheduling too, spaced so that
+such steps lose at most ``EXPLORE_BUDGET`` of the throughput; the counters it reads may be
+reset."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepbatch.control.spec_cost import EXPLORE_EVERY, SpecCostModel
+from deepbatch.control.spec_cost import EXPLORE_BUDGET, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpecCostModel
 
 
 def fed(a: float, b: float, acceptance: list[float], drafts: int = 1000, overhead: float = 0.0) -> SpecCostModel:
@@ -134,16 +135,42 @@ def test_a_requests_own_record_moves_its_acceptance():
     assert [len(r.spec_token_ids) for r in running] == model.last_caps
 
 
-def test_one_step_in_explore_every_drafts_while_the_model_says_no():
+def explorations(model, acceptance, drafts: int, seqs: int, steps: int) -> list[list[int]]:
+    """The caps of the steps that took the arm the model does not choose, over ``steps``."""
+    caps = [model.choose_caps([acceptance] * seqs, [drafts] * seqs, seqs, seqs) for _ in range(steps)]
+    usual = max(set(map(tuple, caps)), key=lambda c: caps.count(list(c)))
+    return [c for c in caps if tuple(c) != usual]
+
+
+def test_exploring_drafts_where_they_do_not_pay_costs_at_most_the_budget():
+    # 64 requests, tokens dear: a step of every draft takes about four plain steps' time and gains
+    # little, so it comes rarely.
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
-    caps = [dear.choose_caps([dear.acceptance()] * 64, [3] * 64, 64, 64) for _ in range(2 * EXPLORE_EVERY)]
-    assert caps.count([3] * 64) == 2 and caps.count([0] * 64) == 2 * EXPLORE_EVERY - 2
+    acc, steps = dear.acceptance(), 4 * MAX_EXPLORE_EVERY
+    explored = explorations(dear, acc, 3, 64, steps)
+    assert explored and all(c == [3] * 64 for c in explored)
+    t_plain, t_all = 0.002 + 0.001 * 64, 0.002 + 0.001 * (64 + 3 * 64)
+    lost = t_all - (64 + 64 * sum(acc[:3])) * t_plain / 64  # beyond what its tokens take at the plain rate
+    assert len(explored) * lost <= EXPLORE_BUDGET * steps * t_plain * 1.02
+    assert len(explored) >= steps // MAX_EXPLORE_EVERY
 
 
-def test_one_step_in_explore_every_runs_without_drafts_while_the_model_says_yes():
+def test_cheap_exploring_comes_every_explore_every_steps():
+    # Batch 1, drafts just short of paying: a drafting step loses a tenth of a plain step.
+    near = fed(0.010, 1e-5, [0.3, 0.1, 0.0, 0.0], overhead=0.005)
+    explored = explorations(near, near.acceptance(), 4, 1, 2 * EXPLORE_EVERY)
+    assert explored == [[4]] * 2
+
+
+def test_exploring_without_drafts_where_they_pay_costs_at_most_the_budget():
     cheap = fed(0.020, 1e-6, [0.9, 0.8, 0.7, 0.6])
-    caps = [cheap.choose_caps([cheap.acceptance()] * 8, [4] * 8, 8, 8) for _ in range(2 * EXPLORE_EVERY)]
-    assert caps.count([0] * 8) == 2 and caps.count([4] * 8) == 2 * EXPLORE_EVERY - 2
+    acc, steps = cheap.acceptance(), 4 * MAX_EXPLORE_EVERY
+    explored = explorations(cheap, acc, 4, 8, steps)
+    assert explored and all(c == [0] * 8 for c in explored)
+    best = rate(0.020, 1e-6, [acc] * 8, [4] * 8, 8)
+    lost = 0.020 - 8 / best  # a plain step, beyond what its 8 tokens take at the drafting rate
+    t_best = (8 + 8 * sum(acc)) / best
+    assert len(explored) * lost <= EXPLORE_BUDGET * steps * t_best * 1.02
 
 
 def test_counters_read_after_a_reset_count_whole():
@@ -159,11 +186,12 @@ def test_async_steps_stay_free_of_drafts_but_for_the_exploring_ones():
     the exploring steps; such a step then runs synchronously and ``choose_caps`` lets every draft
     run, as the engine calls them."""
     dear = fed(0.002, 0.001, [0.1, 0.02, 0.01, 0.0])
-    caps = []
-    for _ in range(2 * EXPLORE_EVERY):
+    caps, steps = [], 2 * MAX_EXPLORE_EVERY
+    for _ in range(steps):
         if dear.wants_drafts(num_decoding=64, num_seqs=64):
             caps.append(dear.choose_caps([dear.acceptance()] * 64, [4] * 64, 64, 64))
-    assert caps == [[4] * 64] * 2 and dear.num_steps == 2 * EXPLORE_EVERY
+    assert caps == [[4] * 64] * (steps // dear.explore_every) and dear.num_steps == steps
+    assert EXPLORE_EVERY < dear.explore_every <= MAX_EXPLORE_EVERY
     cheap = fed(0.020, 1e-6, [0.3, 0.2, 0.1, 0.05])
     assert cheap.wants_drafts(num_decoding=8, num_seqs=8)
     assert not SpecCostModel(max_drafts=4).wants_drafts(num_decoding=0, num_seqs=3)  # nothing decodes
