@@ -103,6 +103,22 @@ def test_drafts_are_the_mtp_layers_and_the_output_is_the_targets(checkpoint, mon
         assert drafts == reference_drafts(target, deeper, extra, tokens, len(drafts)), len(tokens)
 
 
+def test_sampled_requests_write_what_they_write_without_drafts(checkpoint):
+    # Drafts drawn as the target draws each place (``draw_drafts``): a seeded request keeps its
+    # tokens; an unseeded one is seeded by the engine and runs through the same draws.
+    path, _, _ = checkpoint
+    ps = prompts()
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=30, seed=2, max_tokens=16, ignore_eos=True)]
+    want = [o.outputs[0].token_ids for o in LLM(path, **COMMON).generate(ps, params * 2, use_tqdm=False)]
+    llm = LLM(path, **COMMON, speculative_config=SPEC)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params * 2, use_tqdm=False)]
+    assert got == want
+    unseeded = llm.generate(ps, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in unseeded)
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
     from test_deepseek import build_deepseek_checkpoint
 
