@@ -357,11 +357,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choices(self)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp" and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: method mtp runs the target's own (sharded) MTP layer on rank 0 "
-                             "alone, which tensor parallelism does not support yet; use tensor_parallel_size 1 or "
-                             "method ngram or draft_model")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space <= 0:
             raise ValueError("preemption_mode: 'swap' needs a swap space (swap_space > 0 GiB)")
 

@@ -60,14 +60,19 @@ class StepMessage:
 @dataclass(frozen=True, slots=True)
 class RunnerCallMessage:
     """Run ``ModelRunner.<method>(*args)`` on every worker, as rank 0 runs it on its own runner:
-    start-up work outside the step loop whose collectives must meet rank 0's."""
+    start-up work outside the step loop whose collectives must meet rank 0's; with ``drafter``,
+    the method of the worker's MTP runner instead."""
 
-    method: str  # one of RUNNER_CALLS
+    method: str  # one of RUNNER_CALLS (DRAFTER_CALLS with drafter)
     args: tuple = ()
+    drafter: bool = False
 
 
 # What rank 0 may ask of a worker's runner between steps.
 RUNNER_CALLS = frozenset({"init_swap_space", "measure_prefill_tokens_per_s"})
+# ... and of its drafter (the MTP layer, sharded with the model): a forward of the drafts before a
+# step, whose collectives meet rank 0's.
+DRAFTER_CALLS = frozenset({"forward"})
 
 
 @dataclass(frozen=True, slots=True)

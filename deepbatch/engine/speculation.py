@@ -24,6 +24,8 @@ def build_drafter(config: EngineConfig, runner, hf_config, tokenizer, max_model_
     if spec.method == "mtp":
         from deepbatch.runner.mtp_runner import MTPRunner
 
+        if config.parallel.tensor_parallel_size > 1:  # rank 0's shard of the layer, the workers' in step
+            return MTPRunner(config, runner.runner, max_model_len, peers=runner.call_drafters)
         return MTPRunner(config, runner, max_model_len)
     from deepbatch.runner.draft_model_runner import DraftModelRunner
 

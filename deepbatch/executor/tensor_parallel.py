@@ -36,8 +36,8 @@ import torch.distributed as dist
 from deepbatch.config import EngineConfig
 from deepbatch.executor.launch import WorkerGroup, check_not_importing_main
 from deepbatch.distributed.messages import RunnerCallMessage, StepMessageBuilder
-from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
-                                                  loaded_key)
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group,
+                                                  joined_key, loaded_key)
 from deepbatch.runner.worker import WorkerArgs
 from deepbatch.core.errors import EngineDeadError
 from deepbatch.models.loader import ModelSource, build_model
@@ -170,6 +170,18 @@ class TensorParallelExecutor:
             return getattr(self.runner, method)(*args)
 
         return self._guard(call)
+
+    def call_drafters(self, method: str, *args) -> None:
+        """Ask every worker's drafter (its shard of the MTP layer) to run ``method``; rank 0's
+        runs it next, so their collectives meet."""
+        msg = RunnerCallMessage(method, args, drafter=True)
+
+        def send() -> None:
+            self.check_health()
+            for inbox in self._workers.inboxes:
+                inbox.put(msg)
+
+        self._guard(send)
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs would capture collectives; tensor-parallel steps run eagerly."""

@@ -32,7 +32,11 @@ from deepbatch.sampling.sampler import Sampler
 
 
 class MTPRunner:
-    def __init__(self, config: EngineConfig, target_runner, max_model_len: int):
+    """``target_runner``: this process's ``ModelRunner``. Under tensor parallelism every rank
+    holds one over its shard of the layer; rank 0's is given ``peers``, which asks the workers'
+    to run each forward with it (``RunnerCallMessage``): the forward's collectives must meet."""
+
+    def __init__(self, config: EngineConfig, target_runner, max_model_len: int, peers=None):
         model = target_runner.model
         layers = getattr(getattr(model, "model", None), "mtp_layers", None)
         if not layers:
@@ -49,6 +53,8 @@ class MTPRunner:
         self._specs = self.layer.self_attn.cache_specs(self.dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.hidden_cache: torch.Tensor | None = None
+        self.peers = peers
+        self._out: torch.Tensor | None = None  # the last forward's layer outputs, where chained drafts read
         self.sampler = Sampler(target_runner.sampler.vocab_size, self.device,
                                max_num_seqs=config.scheduler.max_num_seqs)
 
@@ -70,18 +76,21 @@ class MTPRunner:
         self.hidden_cache = hidden.view(-1, self.hidden_size)
         self.target.hidden_cache = self.hidden_cache
 
-    def target_hidden(self, slots: np.ndarray) -> torch.Tensor:
-        """The target's final hidden states at these KV slots."""
-        return self.hidden_cache[torch.from_numpy(slots).to(self.device)]
-
     @torch.no_grad()
-    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]], hidden: torch.Tensor,
-                rows: list | None = None) -> tuple[list[int], torch.Tensor]:
+    def forward(self, seqs: list[tuple[list[int], int, list[int], bool]], slots: np.ndarray | None = None,
+                chain: list[int] | None = None, rows: list | None = None) -> list[int]:
         """The MTP layer over packed sequences (``packed_batch``: each entry's tokens are the
-        tokens after its positions); ``hidden`` holds one row per token, the hidden state at that
-        position. Returns, for each entry with ``sample``, the draft (drawn for ``rows`` as
-        ``sampling/draft_rows.py``'s ``draw_drafts`` says, the argmax without them) and the layer's
-        output at that row (what the next chained draft reads)."""
+        tokens after its positions), each token beside the hidden state at its position: the
+        target's at these KV ``slots`` (one per token), or for a chained draft the layer's own
+        output at row ``chain[i]`` of the previous forward (one token per entry). Returns, for each
+        entry with ``sample``, the draft (drawn for ``rows`` as ``sampling/draft_rows.py``'s
+        ``draw_drafts`` says, the argmax without them); a tensor-parallel worker returns none."""
+        if self.peers is not None:
+            self.peers("forward", seqs, slots, chain)
+        if slots is not None:
+            hidden = self.hidden_cache[torch.from_numpy(slots).to(self.device)]
+        else:
+            hidden = self._out[torch.tensor(chain, device=self.device)]
         batch = packed_batch(seqs, self.block_size, self.device)
         stack = self.model.model
         layer = self.layer
@@ -90,5 +99,8 @@ class MTPRunner:
         x, residual = layer(x, None, stack.rotary.at(batch.positions), batch)
         last = batch.logits_indices
         normed, out = layer.shared_head.norm(x[last], residual[last])
+        self._out = out
         logits = self.model.compute_logits(normed)
-        return draw_drafts(self.sampler, logits, rows), out
+        if logits is None:  # a tensor-parallel worker: rank 0 draws
+            return []
+        return draw_drafts(self.sampler, logits, rows)

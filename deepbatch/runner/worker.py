@@ -24,12 +24,14 @@ import torch
 
 from deepbatch import envs
 from deepbatch.config import EngineConfig
-from deepbatch.distributed.messages import RUNNER_CALLS, RequestMirror, RunnerCallMessage, ShutdownMessage, StepMessage
+from deepbatch.distributed.messages import (DRAFTER_CALLS, RUNNER_CALLS, RequestMirror, RunnerCallMessage,
+                                            ShutdownMessage, StepMessage)
 import torch.distributed as dist
 
-from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group, joined_key,
-                                                  loaded_key)
+from deepbatch.distributed.parallel_state import (STARTUP_TIMEOUT_S, building_for, init_tensor_parallel_group,
+                                                  joined_key, loaded_key)
 from deepbatch.models.loader import ModelSource, build_model
+from deepbatch.runner.mtp_runner import MTPRunner
 from deepbatch.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -99,15 +101,21 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
     store.wait([loaded_key(0)])  # the first collective follows: start it once rank 0 is ready too
     runner = ModelRunner(config, model, args.hf_config, args.max_model_len)
     runner.calibrate_kv_scales(group.all_reduce_max)  # where rank 0's engine calls it: before profiling
-    runner.init_kv_cache(group.all_reduce_min(runner.profile_num_blocks()))
+    num_blocks = group.all_reduce_min(runner.profile_num_blocks())
+    runner.init_kv_cache(num_blocks)
+    drafter = None
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp":  # this rank's shard of the MTP layer, as rank 0 builds it
+        drafter = MTPRunner(config, runner, args.max_model_len)
+        drafter.init_kv_cache(num_blocks)
     mirror = RequestMirror()
     parent = multiprocessing.parent_process()
     while True:
         msg = _next_message(inbox, parent)
         if msg is None or isinstance(msg, ShutdownMessage):
             return
-        if isinstance(msg, RunnerCallMessage) and msg.method in RUNNER_CALLS:
-            getattr(runner, msg.method)(*msg.args)
+        if isinstance(msg, RunnerCallMessage) and msg.method in (DRAFTER_CALLS if msg.drafter else RUNNER_CALLS):
+            getattr(drafter if msg.drafter else runner, msg.method)(*msg.args)
             continue
         if not isinstance(msg, StepMessage):
             raise TypeError(f"unexpected message {type(msg).__name__}")

@@ -21,7 +21,7 @@ from deepbatch.spec_decode.draft_model import DraftModelProposer, DraftSeq, plac
 
 
 class MTPProposer(DraftModelProposer):
-    """``runner`` is the ``MTPRunner``: ``forward``, ``target_hidden``, ``block_size``."""
+    """``runner`` is the ``MTPRunner``: ``forward``, ``block_size``."""
 
     def _span(self, seq: DraftSeq, tokens: list[int]) -> tuple[int, int]:
         # The target has run every position before the newest token; the last of them gives d1.
@@ -33,10 +33,9 @@ class MTPProposer(DraftModelProposer):
         for r, _, start, end, _ in jobs:
             pos = np.arange(start, end)
             slots.append(np.asarray(r.block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        tokens, out = self.runner.forward([(r.all_token_ids[start + 1:end + 1], start, seq.blocks, k > 0)
-                                           for r, seq, start, end, k in jobs],
-                                          self.runner.target_hidden(np.concatenate(slots)),
-                                          places([r for r, *_, k in jobs if k], 0))
+        tokens = self.runner.forward([(r.all_token_ids[start + 1:end + 1], start, seq.blocks, k > 0)
+                                      for r, seq, start, end, k in jobs],
+                                     slots=np.concatenate(slots), rows=places([r for r, *_, k in jobs if k], 0))
         drafting = []
         for r, seq, _, end, k in jobs:
             seq.computed = end
@@ -45,10 +44,9 @@ class MTPProposer(DraftModelProposer):
                 drafting.append((r, seq, k, len(drafting)))
         for j in range(1, max((k for _, _, k, _ in drafting), default=0)):
             drafting = [d for d in drafting if d[2] > j]
-            rows = [row for _, _, _, row in drafting]
-            tokens, out = self.runner.forward([(r.spec_token_ids[-1:], seq.computed + j - 1, seq.blocks, True)
-                                               for r, seq, _, _ in drafting], out[rows],
-                                              places([r for r, _, _, _ in drafting], j))
+            tokens = self.runner.forward([(r.spec_token_ids[-1:], seq.computed + j - 1, seq.blocks, True)
+                                          for r, seq, _, _ in drafting], chain=[row for *_, row in drafting],
+                                         rows=places([r for r, _, _, _ in drafting], j))
             for (r, _, _, _), t in zip(drafting, tokens):
                 r.spec_token_ids.append(t)
             drafting = [(r, seq, k, i) for i, (r, seq, k, _) in enumerate(drafting)]

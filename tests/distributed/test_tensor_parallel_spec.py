@@ -46,3 +46,53 @@ def test_tp2_drafts_give_the_tokens_of_decoding_without_them(tp_checkpoints, arc
         assert engine.kv_cache.pool.num_free_blocks == engine.num_blocks
     finally:
         llm.engine.shutdown()
+
+
+def test_tp2_mtp_drafts_are_the_single_process_ones_and_keep_the_tokens(tmp_path):
+    # DeepSeek-V3's MTP layer sharded with the model: each rank runs its shard of every draft
+    # forward, rank 0 draws. Greedy and seeded output equal to TP=2 without drafts; the drafts
+    # equal the single-process MTP's at the same tokens (tests/engine/test_spec_mtp.py holds those
+    # to transformers' layer). 24-token steps split the prompts and a small pool preempts.
+    import sys
+    from pathlib import Path
+
+    from deepbatch import SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_deepseek import build_v3_mtp_checkpoint
+
+    path, _, _ = build_v3_mtp_checkpoint(str(tmp_path))
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "cost_model": False}
+    common = dict(dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=24,
+                  num_gpu_blocks_override=12)
+    prompts = [{"prompt_token_ids": p[:40]} for p in PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)]
+
+    def generate(llm):
+        seen = {}
+        propose = llm.engine.proposer.propose if llm.engine.proposer is not None else None
+
+        def recording(running, spec_cost=None):
+            propose(running, spec_cost)
+            seen.update({(r.request_id, tuple(r.all_token_ids)): list(r.spec_token_ids)
+                         for r in running if r.spec_token_ids})
+
+        if propose is not None:
+            llm.engine.proposer.propose = recording
+        try:
+            outs = llm.generate(prompts, params * 3, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [o.outputs[0].token_ids for o in outs], seen
+
+    want, _ = generate(LLM(path, tensor_parallel_size=2, distributed_timeout_s=30, **common))
+    tp2 = LLM(path, tensor_parallel_size=2, distributed_timeout_s=30, speculative_config=spec, **common)
+    preemptions = lambda: tp2.engine.scheduler.num_preemptions  # noqa: E731 - read before shutdown
+    got, seen = generate(tp2)
+    assert got == want
+    # The single-process run last: a forked worker must not inherit the state its matmuls leave.
+    _, single = generate(LLM(path, speculative_config=spec, **common))
+    shared = set(seen) & set(single)
+    assert len(shared) > 20 and all(seen[k] == single[k] for k in shared)
+    assert preemptions() > 0
