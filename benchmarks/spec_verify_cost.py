@@ -11,7 +11,9 @@ step while this one runs), its forward carries k + 1 tokens per request (a graph
 kind, not a decode graph), and it samples k + 1 rows per request. The phases are host seconds per
 step: ``propose``, ``schedule``, ``launch`` (building the batch and queuing the forward and the
 sampler), ``wait`` (``PendingSample.resolve``: the device's remaining work and the copy back) and
-``process`` (committing tokens). ``replay_ms`` times the captured graphs alone with CUDA events.
+``process`` (committing tokens). ``replays`` time the captured graphs alone with CUDA events: the
+decode graph of the batch, the mixed graph a verification step of it would take, and the
+verification graph (``runner/cuda_graph.py``) where the engine has one.
 
 Random weights: only shapes and counts matter here.
 """
@@ -153,6 +155,11 @@ def main() -> None:
     llm.engine.proposer = proposer
     for b in sizes:
         run(llm, f"verify k={k}, no draft right", [{"prompt_token_ids": p} for p in prompts[:b]], params, rows, base[b])
+    for b in sizes:  # the verification graphs (where the engine has them)
+        ms = replay_ms(llm, "verify", b * (k + 1))
+        if ms is not None:
+            replays.append({"graph": "verify", "size": b * (k + 1), "ms": ms})
+            print(replays[-1], flush=True)
     llm.engine.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
