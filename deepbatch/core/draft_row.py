@@ -14,12 +14,16 @@ class DraftRow:
     (``sampling/penalty_state.py``); the grammar's matcher walks them
     (``structured_output/bitmask.py``)."""
 
-    __slots__ = ("request", "offset", "drafts")
+    # What the sampler reads of every row, copied as the row is made (for the step it serves):
+    # ``__getattr__`` would find them too, at a cost paid per row per step.
+    __slots__ = ("request", "offset", "drafts", "sampling_params", "structured_output")
 
     def __init__(self, request: Request, offset: int, drafts: list[int]):
         self.request = request
         self.offset = offset
         self.drafts = drafts
+        self.sampling_params = request.sampling_params
+        self.structured_output = request.structured_output
 
     @property
     def num_output_tokens(self) -> int:
