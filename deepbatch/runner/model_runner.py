@@ -32,9 +32,10 @@ from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_sc
                                         set_kv_scales, warn_missing_scales)
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
+from deepbatch.runner.step_inputs import step_inputs
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.draft_rows import sampling_rows, step_drafts
-from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs, prompt_logprob_rows
+from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.sampler import Sampler
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -279,69 +280,7 @@ class ModelRunner:
 
     def _build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
         """The step's ForwardBatch, and the rows whose logits give prompt logprobs (usually none)."""
-        bs = self.block_size
-        ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
-        pending_rows, pending_src = [], []
-        prompt_rows: list[PromptLogprobRows] = []
-        max_blocks = 1
-        for s in out.scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
-                if start < len(r.all_token_ids):
-                    ids.append((r.all_token_ids[start],))
-                else:  # sampled by the step still in flight: its id is in the token pool
-                    ids.append((0,))
-                    pending_rows.append(qsl[-1])
-                    pending_src.append(self.batch.row(r.request_id))
-                positions.append((start,))
-                slots.append((r.block_ids[start // bs] * bs + start % bs,))
-                # A one-token chunk short of the newest token (a decode always reaches it) may
-                # be a prompt position.
-                if not s.samples and (rows := prompt_logprob_rows(r, start, end, qsl[-1])):
-                    prompt_rows.append(rows)
-            else:
-                known = end - s.num_spec_tokens
-                if known > len(r.all_token_ids):  # only a decode's one token can be pending
-                    raise RuntimeError(f"request {r.request_id}: a chunk of {s.num_new_tokens} tokens ends at a "
-                                       "pending token")
-                pos = np.arange(start, end)
-                table = np.asarray(r.block_ids, dtype=np.int64)
-                ids.append(r.all_token_ids[start:known])
-                if s.num_spec_tokens:  # the drafts; their rows are sampled after the others
-                    ids.append(r.spec_token_ids[:s.num_spec_tokens])
-                    spec_idx.extend(range(qsl[-1] + known - start - 1, qsl[-1] + s.num_new_tokens - 1))
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                if rows := prompt_logprob_rows(r, start, end, qsl[-1]):
-                    prompt_rows.append(rows)
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                logits_idx.append(qsl[-1] - 1)
-            max_blocks = max(max_blocks, len(r.block_ids))
-        q_lens = [s.num_new_tokens for s in out.scheduled]
-        tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
-            tables[i, : len(s.request.block_ids)] = s.request.block_ids
-        t = self._to_device
-        input_ids = t(np.concatenate(ids).astype(np.int64, copy=False), torch.long)
-        if pending_rows:
-            # Stream order makes this read the previous step's sampled ids once they exist.
-            rows = t(np.asarray(pending_rows + pending_src, dtype=np.int64), torch.long)
-            n = len(pending_rows)
-            self.batch.read_pending(input_ids, rows[:n], rows[n:])
-        return ForwardBatch(
-            input_ids=input_ids,
-            positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
-            slot_mapping=t(np.concatenate(slots).astype(np.int64, copy=False), torch.long),
-            query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
-            seq_lens=t(np.asarray(seq_lens, dtype=np.int32), torch.int32),
-            block_tables=t(tables, torch.int32),
-            logits_indices=t(np.asarray(logits_idx + spec_idx, dtype=np.int64), torch.long),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-        ), prompt_rows
+        return step_inputs(out, self.block_size, self.batch, self._to_device)
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
