@@ -20,6 +20,11 @@ from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
 
+# Chunks up to this many tokens (a request's newest token and its drafts) skip numpy, whose calls
+# cost more than a few Python ints (and whose block-table copy grows with the context).
+SHORT_CHUNK = 17
+
+
 def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
                 to_device: Callable[[np.ndarray, torch.dtype], torch.Tensor],
                 ) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
@@ -51,14 +56,19 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
             if known > len(r.all_token_ids):  # only a decode's one token can be pending
                 raise RuntimeError(f"request {r.request_id}: a chunk of {s.num_new_tokens} tokens ends at a "
                                    "pending token")
-            pos = np.arange(start, end)
-            table = np.asarray(r.block_ids, dtype=np.int64)
             ids.append(r.all_token_ids[start:known])
             if s.num_spec_tokens:  # the drafts; their rows are sampled after the others
                 ids.append(r.spec_token_ids[:s.num_spec_tokens])
                 spec_idx.extend(range(qsl[-1] + known - start - 1, qsl[-1] + s.num_new_tokens - 1))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            if s.num_new_tokens <= SHORT_CHUNK:  # a verification step's few tokens: plain ints
+                blocks = r.block_ids
+                positions.append(range(start, end))
+                slots.append([blocks[p // bs] * bs + p % bs for p in range(start, end)])
+            else:
+                pos = np.arange(start, end)
+                table = np.asarray(r.block_ids, dtype=np.int64)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
             if rows := prompt_logprob_rows(r, start, end, qsl[-1]):
                 prompt_rows.append(rows)
         qsl.append(qsl[-1] + s.num_new_tokens)
