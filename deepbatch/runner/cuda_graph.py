@@ -174,9 +174,12 @@ class CudaGraphs:
         if max_num_batched_tokens is not None:
             self.mixed = _GraphSet(model, mixed_capture_sizes(max_num_batched_tokens), True, max_num_seqs,
                                    max_blocks_per_seq, max_model_len, device)
-            if verify_query_len and verify_query_len > 1:
-                self.verify = _GraphSet(model, [b * verify_query_len for b in capture_sizes(max_num_seqs)], True,
-                                        max_num_seqs, max_blocks_per_seq, max_model_len, device, verify_query_len)
+            # No step runs more tokens than the budget (nor did the memory profile).
+            q = verify_query_len or 1
+            sizes = [b * q for b in capture_sizes(max_num_seqs) if b * q <= max_num_batched_tokens]
+            if q > 1 and sizes:
+                self.verify = _GraphSet(model, sizes, True, max_num_seqs, max_blocks_per_seq, max_model_len, device,
+                                        verify_query_len)
 
     @torch.no_grad()
     def capture(self) -> None:

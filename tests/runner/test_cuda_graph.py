@@ -130,6 +130,8 @@ def test_verification_graphs_match_eager(arch, tiny_checkpoints, tmp_path):
     runner = llm.engine.runner
     runner.graphs = _eager_replay_graphs(runner, 4, 24, verify_query_len=4)
     assert runner.graphs.verify.sizes == [4, 8, 16]  # batches 1, 2, 4
+    # No verification graph beyond the token budget (nor was the memory profiled for one).
+    assert _eager_replay_graphs(runner, 4, 12, verify_query_len=4).verify.sizes == [4, 8]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     replays = runner.graphs.decode.replays
