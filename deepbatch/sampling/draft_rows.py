@@ -94,5 +94,5 @@ def draw_drafts(sampler, logits: torch.Tensor, rows: list[DraftRow] | None) -> l
     if drawn:
         idx = torch.tensor(drawn, device=logits.device)
         # A row whose draw fails comes back as token 0: only that draft is wrong.
-        tokens[idx] = sampler.sample(logits[idx].float(), [rows[i] for i in drawn]).token_ids
+        tokens[idx] = sampler.sample(logits[idx].float(), [rows[i] for i in drawn]).token_ids.to(tokens.dtype)
     return tokens.tolist()
