@@ -11,9 +11,8 @@ step while this one runs), its forward carries k + 1 tokens per request (a graph
 kind, not a decode graph), and it samples k + 1 rows per request. The phases are host seconds per
 step: ``propose``, ``schedule``, ``launch`` (building the batch and queuing the forward and the
 sampler), ``wait`` (``PendingSample.resolve``: the device's remaining work and the copy back) and
-``process`` (committing tokens). ``replays`` time the captured graphs alone with CUDA events: the
-decode graph of the batch, the mixed graph a verification step of it would take, and the
-verification graph (``runner/cuda_graph.py``) where the engine has one.
+``process`` (committing tokens). ``replays`` time the decode graph of each batch alone with CUDA
+events: the device's share of a plain step.
 
 Random weights: only shapes and counts matter here.
 """
@@ -72,7 +71,9 @@ def instrument(llm: LLM) -> Phases:
 
 
 def replay_ms(llm: LLM, kind: str, size: int, iters: int = 200) -> float | None:
-    """Milliseconds per replay of one captured graph (its static inputs as the last step left them)."""
+    """Milliseconds per replay of a decode graph, its static inputs as the last decode step of that
+    size left them (a mixed graph's inputs may be left by a step of another size: replaying them
+    as they are can read past its sequences, so only decode graphs are timed)."""
     graphs = llm.engine.runner.graphs
     gs = getattr(graphs, kind, None) if graphs is not None else None
     if gs is None or size not in gs.graphs:
@@ -137,11 +138,6 @@ def main() -> None:
         llm.engine.async_scheduling = True
     for b in sizes:
         replays.append({"graph": "decode", "size": b, "ms": replay_ms(llm, "decode", b)})
-        mixed = llm.engine.runner.graphs.mixed if llm.engine.runner.graphs is not None else None
-        if mixed is not None and mixed.sizes:
-            size = next((s for s in mixed.sizes if s >= b * (k + 1)), None)
-            if size is not None:
-                replays.append({"graph": "mixed", "size": size, "ms": replay_ms(llm, "mixed", size)})
     for r in replays:
         print(r, flush=True)
     llm.engine.shutdown()
@@ -155,11 +151,6 @@ def main() -> None:
     llm.engine.proposer = proposer
     for b in sizes:
         run(llm, f"verify k={k}, no draft right", [{"prompt_token_ids": p} for p in prompts[:b]], params, rows, base[b])
-    for b in sizes:  # the verification graphs (where the engine has them)
-        ms = replay_ms(llm, "verify", b * (k + 1))
-        if ms is not None:
-            replays.append({"graph": "verify", "size": b * (k + 1), "ms": ms})
-            print(replays[-1], flush=True)
     llm.engine.shutdown()
     if args.output_json:
         with open(args.output_json, "w") as f:
