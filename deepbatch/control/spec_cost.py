@@ -12,9 +12,10 @@ most of a drafting step's price. So the model measures both rather than assume t
 Before each step, with the drafts proposed, it chooses each request's cap to maximize the step's
 expected output tokens per second, ``(decoding + sum of the chosen positions' acceptance) / t``.
 A position's acceptance is the probability that the request's draft there is accepted (with every
-draft before it): the engine-wide figure per position, counted over the recent steps with a decay
-so that a change of workload shows within about a hundred steps, moved towards the request's own
-record as it drafts (a request that copies its prompt keeps drafting beside one that never does).
+draft before it): the engine-wide figure per position, counted over about the last twenty steps
+that drafted (steps without drafts leave it as it is: where drafts rarely run, what they showed
+must outweigh the prior), moved towards the request's own record as it drafts (a request that
+copies its prompt keeps drafting beside one that never does).
 With a fixed cost and a cost per position, the best set of n positions is the n likeliest, so the
 model evaluates every count n of positions taken in falling acceptance and keeps the best, none
 included. Both kinds of step stay measured: where no draft pays, a step now and then runs every
@@ -33,6 +34,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
+
 from deepbatch.control.step_time import StepTimeCoeffs, StepTimeFit
 
 # Now and then the kind of step the model did not choose (with drafts, or without), so that the
@@ -45,8 +48,10 @@ MAX_EXPLORE_EVERY = 512
 # Steps of each kind measured before the model decides (until then the two alternate).
 MIN_PLAIN_STEPS = 8
 MIN_DRAFT_STEPS = 8
-# Weight of the older counts at each step: about 1 / (1 - DECAY) steps are remembered.
+# Weight of the older step times at each drafting step: about 1 / (1 - DECAY) are remembered.
 DECAY = 0.99
+# Weight of the older acceptance counts at each drafting step: about the last 20 of them count.
+ACCEPTANCE_DECAY = 0.95
 # Before any draft at a position was seen: one accepted in two drafted.
 PRIOR_ACCEPTED, PRIOR_DRAFTED = 0.5, 1.0
 # How many drafts the engine-wide acceptance weighs against one request's own.
@@ -69,6 +74,8 @@ class SpecCostModel:
         self.num_steps = 0
         self.explore_every = EXPLORE_EVERY  # set at each decision by what exploring would cost
         self._since_explore = 0
+        self._learning_drafts = False  # under async scheduling: whether the last learning step drafted
+        self._arm: str | None = None  # wants_drafts's choice for the step choose_caps caps: all | best
         self.last_caps: list[int] | None = None  # the last step's, for the tests
 
     # -- measurements ----------------------------------------------------------------------
@@ -88,13 +95,18 @@ class SpecCostModel:
                     tokens, seqs, seconds, n = self._unmeasured.popleft()
                     e = seconds - coeffs.predict(tokens - n, seqs)
                     x[:] = [DECAY * v + d for v, d in zip(x, (1.0, n, n * n, e, n * e))]
-        for j in range(self.max_drafts):
-            drafted = drafted_per_position[j] if j < len(drafted_per_position) else 0
-            accepted = accepted_per_position[j] if j < len(accepted_per_position) else 0
-            # A counter below its last reading was reset (a fresh EngineStats): all of it is new.
-            self.drafted[j] = DECAY * self.drafted[j] + _new(drafted, self._seen[0][j])
-            self.accepted[j] = DECAY * self.accepted[j] + _new(accepted, self._seen[1][j])
-            self._seen[0][j], self._seen[1][j] = drafted, accepted
+        k = self.max_drafts
+        drafted = [drafted_per_position[j] if j < len(drafted_per_position) else 0 for j in range(k)]
+        accepted = [accepted_per_position[j] if j < len(accepted_per_position) else 0 for j in range(k)]
+        # A counter below its last reading was reset (a fresh EngineStats): all of it is new.
+        new_drafted = [_new(d, seen) for d, seen in zip(drafted, self._seen[0])]
+        new_accepted = [_new(a, seen) for a, seen in zip(accepted, self._seen[1])]
+        self._seen = (drafted, accepted)
+        # The counts age with each step that drafted, not with the steps between: where drafts
+        # rarely run, the few that do still outweigh the prior.
+        if any(new_drafted):
+            self.drafted = [ACCEPTANCE_DECAY * v + d for v, d in zip(self.drafted, new_drafted)]
+            self.accepted = [ACCEPTANCE_DECAY * v + a for v, a in zip(self.accepted, new_accepted)]
 
     def acceptance(self) -> list[float]:
         """Per position j, the probability that a draft reaching it is accepted (with the drafts
@@ -133,39 +145,49 @@ class SpecCostModel:
             return None
         return max(coeffs.predict(num_decoding, num_seqs), 1e-9), *cost  # a fit pinned at 0 divides too
 
-    def _decide(self, runs, num_decoding: int, prices) -> int:
-        """The best count of positions, taken from ``runs`` of ``(acceptance, count)`` in falling
-        acceptance (0: no drafts); sets ``explore_every`` from what a step of the other arm would
-        lose. Within a run the rate moves one way, so the best count ends a run."""
+    def _decide(self, probs: np.ndarray, counts: np.ndarray | int, num_decoding: int, prices) -> int:
+        """The best count of positions, taken in falling acceptance ``probs`` (``counts[i]``
+        positions of probability ``probs[i]``; 0: no drafts); sets ``explore_every`` from what a
+        step of the other arm would lose. Within a run of one probability the rate moves one
+        way, so the best count ends a run."""
         t0, d0, d1 = prices
-        gain, best, best_n, n = float(num_decoding), num_decoding / t0, 0, 0
-        for p, count in runs:
-            gain, n = gain + p * count, n + count
-            if gain / (t0 + d0 + d1 * n) > best:
-                best, best_n = gain / (t0 + d0 + d1 * n), n
+        n = np.cumsum(np.broadcast_to(counts, probs.shape))
+        gain = num_decoding + np.cumsum(probs * counts)
+        rate = gain / (t0 + d0 + d1 * n)
+        best, best_n = num_decoding / t0, 0
+        if len(rate) and rate.max() > best:
+            i = int(rate.argmax())
+            best, best_n = float(rate[i]), int(n[i])
         # The other arm's step: its seconds beyond what its tokens take at the best rate.
-        other_t, other_gain = (t0, num_decoding) if best_n else (t0 + d0 + d1 * n, gain)
+        all_n, all_gain = (int(n[-1]), float(gain[-1])) if len(n) else (0, float(num_decoding))
+        other_t, other_gain = (t0, num_decoding) if best_n else (t0 + d0 + d1 * all_n, all_gain)
         lost = max(0.0, other_t - other_gain / best) / (t0 + d0 + d1 * best_n if best_n else t0)
         self.explore_every = min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, math.ceil(lost / EXPLORE_BUDGET)))
         return best_n
 
     def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
-        """Under async scheduling, before the drafts are proposed: whether the next step should
-        run drafts (then synchronously; ``choose_caps`` then caps them and counts the step), at
-        the engine-wide acceptance with every decoding request drafting. A step without drafts
-        counts towards the next exploring one."""
+        """Under async scheduling, before the drafts are proposed: which arm the next step takes,
+        at the engine-wide acceptance with every decoding request drafting. A drafting step runs
+        synchronously (``choose_caps`` then caps it, as decided here); a plain one stays
+        asynchronous, and so is measured as the engine runs it: the learning steps without drafts
+        and the exploring ones are asynchronous plain steps too."""
         if num_decoding == 0:
             return False
         prices = self._prices(num_decoding, num_seqs)
-        if prices is None:
-            return True
-        # Positions of one index share a probability.
-        pays = self._decide([(p, num_decoding) for p in self.acceptance()], num_decoding, prices) > 0
-        if pays or self._since_explore + 1 >= self.explore_every:
-            return True
-        self.num_steps += 1
-        self._since_explore += 1
-        return False
+        if prices is None:  # learning both step times: every draft, then a plain step
+            self._learning_drafts = not self._learning_drafts
+            draft, self._arm = self._learning_drafts, "all"
+        else:
+            # Positions of one index share a probability.
+            pays = self._decide(np.asarray(self.acceptance()), num_decoding, num_decoding, prices) > 0
+            self._since_explore += 1
+            explore = self._since_explore >= self.explore_every
+            if explore:
+                self._since_explore = 0
+            draft, self._arm = pays != explore, "all" if explore else "best"
+        if not draft:
+            self.num_steps += 1
+        return draft
 
     def request_acceptance(self, r, engine_wide: list[float] | None = None) -> list[float]:
         """Per position j, the probability that request ``r``'s draft j is accepted: its own
@@ -173,44 +195,63 @@ class SpecCostModel:
         (``acceptance()``, or ``engine_wide`` when the caller has it) weighing as
         ``REQUEST_PRIOR`` drafts, so a request's first drafts are judged by everyone's and a
         request that copies (or never does) soon by its own. Never rising with j."""
-        out, last = [], 1.0
-        for j, p in enumerate(engine_wide if engine_wide is not None else self.acceptance()):
-            drafted = r.spec_drafted[j] if j < len(r.spec_drafted) else 0
-            accepted = r.spec_accepted[j] if j < len(r.spec_accepted) else 0
-            last = min(last, (accepted + REQUEST_PRIOR * p) / (drafted + REQUEST_PRIOR))
-            out.append(last)
-        return out
+        wide = np.asarray(engine_wide if engine_wide is not None else self.acceptance())
+        return self._acceptance_rows([r], wide)[0].tolist()
 
-    def choose_caps(self, acceptance: list[list[float]], draft_lens: list[int], num_decoding: int,
-                    num_seqs: int) -> list[int]:
-        """Each drafting request's cap, from its acceptance per position and its proposed count:
-        of every count of positions taken in falling probability (none included), the one with
-        the most expected output tokens per second."""
+    def _acceptance_rows(self, requests: list, engine_wide: np.ndarray) -> np.ndarray:
+        """``request_acceptance`` of each request, as rows of one array."""
+        k = self.max_drafts
+        drafted = np.zeros((len(requests), k))
+        accepted = np.zeros((len(requests), k))
+        for i, r in enumerate(requests):
+            if r.spec_drafted:
+                drafted[i, :len(r.spec_drafted[:k])] = r.spec_drafted[:k]
+                accepted[i, :len(r.spec_accepted[:k])] = r.spec_accepted[:k]
+        p = (accepted + REQUEST_PRIOR * engine_wide) / (drafted + REQUEST_PRIOR)
+        return np.minimum.accumulate(p, axis=1)
+
+    def choose_caps(self, acceptance, draft_lens: list[int], num_decoding: int, num_seqs: int) -> list[int]:
+        """Each drafting request's cap, from its acceptance per position (a row each; a list of
+        lists or an array) and its proposed count: of every count of positions taken in falling
+        probability (none included), the one with the most expected output tokens per second.
+        Under async scheduling the arm was chosen by ``wants_drafts``; otherwise it is chosen here
+        (learning, and exploring now and then)."""
         self.num_steps += 1
+        arm, self._arm = self._arm, None
+        if arm == "all":  # learning or exploring the drafting arm
+            return list(draft_lens)
         prices = self._prices(num_decoding, num_seqs)
         if prices is None:  # learning both step times: every draft, then none
             return list(draft_lens) if self.num_steps % 2 else [0] * len(draft_lens)
-        positions = sorted(((p[j], j, i) for i, (p, n) in enumerate(zip(acceptance, draft_lens))
-                            for j in range(min(n, len(p)))), key=lambda x: (-x[0], x[1]))
-        best_n = self._decide([(q, 1) for q, _, _ in positions], num_decoding, prices)
-        self._since_explore += 1
-        if self._since_explore >= self.explore_every:  # the arm not taken, to keep it measured
-            self._since_explore = 0
-            return [0] * len(draft_lens) if best_n else list(draft_lens)
-        caps = [0] * len(draft_lens)
-        for _, _, i in positions[:best_n]:  # a request's positions come in order: its probabilities fall
-            caps[i] += 1
-        return caps
+        lens = np.asarray(draft_lens)
+        width = max(len(row) for row in acceptance) if len(acceptance) else 0
+        p = np.zeros((len(draft_lens), width))
+        for i, row in enumerate(acceptance):
+            p[i, :len(row)] = row
+        p[np.arange(width)[None, :] >= lens[:, None]] = -1.0  # positions not drafted
+        flat = p.ravel()
+        # Falling probability; a request's positions in order where they tie.
+        order = np.lexsort((np.tile(np.arange(width), len(draft_lens)), -flat))
+        order = order[flat[order] >= 0]
+        best_n = self._decide(flat[order], 1, num_decoding, prices)
+        if arm is None:  # a synchronous engine: the other arm now and then, to keep it measured
+            self._since_explore += 1
+            if self._since_explore >= self.explore_every:
+                self._since_explore = 0
+                return [0] * len(draft_lens) if best_n else list(draft_lens)
+        # A request's positions come in order: its probabilities fall.
+        caps = np.bincount(order[:best_n] // max(width, 1), minlength=len(draft_lens))
+        return caps.tolist()
 
     def limit(self, running: list) -> None:
         """Cut each running request's ``spec_token_ids`` to the cap chosen for it this step."""
         drafting = [r for r in running if r.spec_token_ids]
         if not drafting:
+            self._arm = None
             return
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        engine_wide = self.acceptance()
-        self.last_caps = self.choose_caps([self.request_acceptance(r, engine_wide) for r in drafting],
-                                          [len(r.spec_token_ids) for r in drafting], decoding, len(running))
+        rows = self._acceptance_rows(drafting, np.asarray(self.acceptance()))
+        self.last_caps = self.choose_caps(rows, [len(r.spec_token_ids) for r in drafting], decoding, len(running))
         for r, cap in zip(drafting, self.last_caps):
             del r.spec_token_ids[cap:]
 

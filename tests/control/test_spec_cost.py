@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepbatch.control.spec_cost import EXPLORE_BUDGET, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpecCostModel
+from deepbatch.control.spec_cost import (ACCEPTANCE_DECAY, EXPLORE_BUDGET, EXPLORE_EVERY, MAX_EXPLORE_EVERY,
+                                        SpecCostModel)
 
 
 def fed(a: float, b: float, acceptance: list[float], drafts: int = 1000, overhead: float = 0.0) -> SpecCostModel:
@@ -177,7 +178,7 @@ def test_counters_read_after_a_reset_count_whole():
     model = SpecCostModel(max_drafts=2)
     model.observe_step(0.01, 3, 1, [100, 50], [50, 10])
     model.observe_step(0.01, 3, 1, [10, 5], [5, 1])  # the engine's stats began again
-    assert model.drafted == pytest.approx([100 * 0.99 + 10, 50 * 0.99 + 5])
+    assert model.drafted == pytest.approx([100 * ACCEPTANCE_DECAY + 10, 50 * ACCEPTANCE_DECAY + 5])
     assert min(model.accepted) > 0
 
 
