@@ -176,7 +176,7 @@ class SpecCostModel:
         prices = self._prices(num_decoding, num_seqs)
         if prices is None:  # learning both step times: every draft, then a plain step
             self._learning_drafts = not self._learning_drafts
-            draft, self._arm = self._learning_drafts, "all"
+            draft, arm = self._learning_drafts, "all"
         else:
             # Positions of one index share a probability.
             pays = self._decide(np.asarray(self.acceptance()), num_decoding, num_decoding, prices) > 0
@@ -184,7 +184,8 @@ class SpecCostModel:
             explore = self._since_explore >= self.explore_every
             if explore:
                 self._since_explore = 0
-            draft, self._arm = pays != explore, "all" if explore else "best"
+            draft, arm = pays != explore, "all" if explore else "best"
+        self._arm = arm if draft else None
         if not draft:
             self.num_steps += 1
         return draft
@@ -224,10 +225,14 @@ class SpecCostModel:
         if prices is None:  # learning both step times: every draft, then none
             return list(draft_lens) if self.num_steps % 2 else [0] * len(draft_lens)
         lens = np.asarray(draft_lens)
-        width = max(len(row) for row in acceptance) if len(acceptance) else 0
-        p = np.zeros((len(draft_lens), width))
-        for i, row in enumerate(acceptance):
-            p[i, :len(row)] = row
+        if isinstance(acceptance, np.ndarray):  # from limit(): one row per request already
+            p = acceptance.astype(np.float64, copy=True)
+        else:
+            width = max(len(row) for row in acceptance) if len(acceptance) else 0
+            p = np.zeros((len(draft_lens), width))
+            for i, row in enumerate(acceptance):
+                p[i, :len(row)] = row
+        width = p.shape[1]
         p[np.arange(width)[None, :] >= lens[:, None]] = -1.0  # positions not drafted
         flat = p.ravel()
         # Falling probability; a request's positions in order where they tie.

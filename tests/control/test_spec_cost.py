@@ -196,3 +196,19 @@ def test_async_steps_stay_free_of_drafts_but_for_the_exploring_ones():
     cheap = fed(0.020, 1e-6, [0.3, 0.2, 0.1, 0.05])
     assert cheap.wants_drafts(num_decoding=8, num_seqs=8)
     assert not SpecCostModel(max_drafts=4).wants_drafts(num_decoding=0, num_seqs=3)  # nothing decodes
+
+
+def test_under_async_scheduling_the_plain_steps_that_learn_or_explore_stay_asynchronous():
+    # ``wants_drafts`` False is an asynchronous plain step: the learning alternates drafting steps
+    # with such steps, and where drafts pay the exploring step is one too, so the plain step time
+    # is measured as the engine runs plain steps (not as a synchronous step with no drafts).
+    fresh = SpecCostModel(max_drafts=4)
+    assert [fresh.wants_drafts(num_decoding=2, num_seqs=2) for _ in range(4)] == [True, False, True, False]
+    cheap = fed(0.020, 1e-6, [0.9, 0.8, 0.7, 0.6])
+    answers, caps = [], []
+    for _ in range(4 * MAX_EXPLORE_EVERY):
+        answers.append(cheap.wants_drafts(num_decoding=8, num_seqs=8))
+        if answers[-1]:
+            caps.append(cheap.choose_caps([cheap.acceptance()] * 8, [4] * 8, 8, 8))
+    assert 0 < answers.count(False) <= len(answers) // EXPLORE_EVERY
+    assert caps and all(c == [4] * 8 for c in caps)  # the drafting steps keep every draft
