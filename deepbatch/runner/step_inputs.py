@@ -2,9 +2,9 @@
 slots, query and sequence lengths, block tables and the rows whose logits are read (each
 sampling request's newest position, then its drafts' positions, ``sampling/draft_rows.py``).
 
-A decode (one token) takes the fast path of plain ints; a chunk of several tokens (a prefill
-chunk, or a request's newest token and its drafts) goes through numpy. The arrays cross to the
-device in one copy each.
+A decode (one token) and a short chunk (a request's newest token and its drafts, up to
+``SHORT_CHUNK`` tokens) are built from plain ints; a longer chunk (a prefill chunk) goes through
+numpy. The arrays cross to the device in one copy each.
 """
 
 from __future__ import annotations
