@@ -33,6 +33,7 @@ from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_sc
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.runner.step_inputs import step_inputs
+from deepbatch.sampling.host_copy import arrays_to_device
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.draft_rows import sampling_rows, step_drafts
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
@@ -280,7 +281,7 @@ class ModelRunner:
 
     def _build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
         """The step's ForwardBatch, and the rows whose logits give prompt logprobs (usually none)."""
-        return step_inputs(out, self.block_size, self.batch, self._to_device)
+        return step_inputs(out, self.block_size, self.batch, self.device)
 
     @torch.no_grad()
     def launch(self, out: SchedulerOutput) -> PendingSample | None:
@@ -322,13 +323,7 @@ class ModelRunner:
         """The step's sampled ids (``token_ids[i]`` is ``sampled[i]``'s) into the token pool, where
         the next step reads a pending input token; a tensor-parallel worker gets rank 0's."""
         rows = np.fromiter((self.batch.row(r.request_id) for r in sampled), dtype=np.int64, count=len(sampled))
-        self.batch.record_sampled(self._to_device(rows, torch.long), token_ids)
-
-    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        # Pinned host memory makes the copy truly asynchronous: it queues behind the previous
-        # step's kernels instead of waiting for them.
-        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        return (host.pin_memory() if self.device.type == "cuda" else host).to(device=self.device, non_blocking=True)
+        self.batch.record_sampled(arrays_to_device([rows], self.device)[0], token_ids)
 
     def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
                                      prompt_rows: list[PromptLogprobRows],

@@ -4,12 +4,10 @@ sampling request's newest position, then its drafts' positions, ``sampling/draft
 
 A decode (one token) and a short chunk (a request's newest token and its drafts, up to
 ``SHORT_CHUNK`` tokens) are built from plain ints; a longer chunk (a prefill chunk) goes through
-numpy. The arrays cross to the device in one copy each.
+numpy. The arrays cross to the device together, in one copy (``sampling/host_copy.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,6 +15,7 @@ import torch
 from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.scheduler_output import SchedulerOutput
 from deepbatch.runner.persistent_batch import PersistentBatch
+from deepbatch.sampling.host_copy import arrays_to_device
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
 
@@ -26,11 +25,10 @@ SHORT_CHUNK = 17
 
 
 def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
-                to_device: Callable[[np.ndarray, torch.dtype], torch.Tensor],
-                ) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
-    """The step's ForwardBatch (``bs``: the block size), and the rows whose logits give prompt
-    logprobs (usually none). A decode whose input token is still pending reads it from the
-    request's row of the token pool (``pool``); ``to_device`` copies host arrays over."""
+                device: torch.device) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
+    """The step's ForwardBatch (``bs``: the block size) on ``device``, and the rows whose logits
+    give prompt logprobs (usually none). A decode whose input token is still pending reads it
+    from the request's row of the token pool (``pool``)."""
     ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
     pending_rows, pending_src = [], []
     prompt_rows: list[PromptLogprobRows] = []
@@ -80,21 +78,26 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
     tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
     for i, s in enumerate(out.scheduled):
         tables[i, : len(s.request.block_ids)] = s.request.block_ids
-    t = to_device
-    input_ids = t(np.concatenate(ids).astype(np.int64, copy=False), torch.long)
+    arrays = [np.concatenate(ids).astype(np.int64, copy=False),
+              np.concatenate(positions).astype(np.int64, copy=False),
+              np.concatenate(slots).astype(np.int64, copy=False),
+              np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), tables,
+              np.asarray(logits_idx + spec_idx, dtype=np.int64)]
+    if pending_rows:
+        arrays.append(np.asarray(pending_rows + pending_src, dtype=np.int64))
+    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, tables_d, logits_d, *where = arrays_to_device(arrays, device)
     if pending_rows:
         # Stream order makes this read the previous step's sampled ids once they exist.
-        where = t(np.asarray(pending_rows + pending_src, dtype=np.int64), torch.long)
         n = len(pending_rows)
-        pool.read_pending(input_ids, where[:n], where[n:])
+        pool.read_pending(input_ids, where[0][:n], where[0][n:])
     return ForwardBatch(
         input_ids=input_ids,
-        positions=t(np.concatenate(positions).astype(np.int64, copy=False), torch.long),
-        slot_mapping=t(np.concatenate(slots).astype(np.int64, copy=False), torch.long),
-        query_start_loc=t(np.asarray(qsl, dtype=np.int32), torch.int32),
-        seq_lens=t(np.asarray(seq_lens, dtype=np.int32), torch.int32),
-        block_tables=t(tables, torch.int32),
-        logits_indices=t(np.asarray(logits_idx + spec_idx, dtype=np.int64), torch.long),
+        positions=positions_d,
+        slot_mapping=slots_d,
+        query_start_loc=qsl_d,
+        seq_lens=seq_lens_d,
+        block_tables=tables_d,
+        logits_indices=logits_d,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     ), prompt_rows
