@@ -160,7 +160,10 @@ class RequestMirror:
             r.num_pending_tokens = d.num_pending_tokens
             if d.num_kept_blocks > len(r.block_ids):
                 raise RuntimeError(f"request {d.req_id!r}: keeps {d.num_kept_blocks} blocks of {len(r.block_ids)}")
-            del r.block_ids[d.num_kept_blocks:]
+            if d.num_kept_blocks < len(r.block_ids):
+                # Blocks dropped (preemption): a new list, as the engine's own request gets, so the
+                # runner's persistent batch sends the table whole (``runner/persistent_batch.py``).
+                r.block_ids = r.block_ids[:d.num_kept_blocks]
             r.block_ids.extend(d.new_block_ids)
             r.num_computed_tokens = d.num_computed_tokens
             r.prompt_logprobs_end = d.prompt_logprobs_end

@@ -32,6 +32,7 @@ from deepbatch.layers.attention import make_backend
 from deepbatch.models.loader import build_model, load_hf_config, load_tokenizer, max_model_len_of, resolve_model
 from deepbatch.runner.cuda_graph import CudaGraphs, capture_or_none
 from deepbatch.runner.model_runner import block_bytes, layer_cache_specs
+from deepbatch.sampling.host_copy import arrays_to_device
 from deepbatch.sampling.draft_rows import draw_drafts
 from deepbatch.sampling.sampler import Sampler
 
@@ -169,11 +170,10 @@ def packed_batch(seqs: list[tuple[list[int], int, list[int], bool]], block_size:
     seq_lens = [s + len(t) for t, s, _, _ in seqs]
     logits_idx = [int(qsl[i + 1]) - 1 for i, (_, _, _, sample) in enumerate(seqs) if sample]
 
-    def t(a, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-
+    # One pinned copy for all of them (``sampling/host_copy.py``).
+    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, tables_d, logits_d = arrays_to_device(
+        [ids, positions.astype(np.int64, copy=False), slots, qsl.astype(np.int32), np.asarray(seq_lens, dtype=np.int32),
+         tables, np.asarray(logits_idx, dtype=np.int64)], device)
     return ForwardBatch(
-        input_ids=t(ids, torch.long), positions=t(positions, torch.long), slot_mapping=t(slots, torch.long),
-        query_start_loc=t(qsl, torch.int32), seq_lens=t(np.asarray(seq_lens), torch.int32),
-        block_tables=t(tables, torch.int32), logits_indices=t(np.asarray(logits_idx, dtype=np.int64), torch.long),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        input_ids=input_ids, positions=positions_d, slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=seq_lens_d,
+        block_tables=tables_d, logits_indices=logits_d, max_query_len=max(q_lens), max_seq_len=max(seq_lens))

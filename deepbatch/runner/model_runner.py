@@ -80,7 +80,7 @@ class ModelRunner:
         self.kv_caches: list[list[torch.Tensor]] = []
         self.graphs: CudaGraphs | None = None
         # Each request's row, and the device token pool a pending input token is read from.
-        self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.device)
+        self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.device, self.max_blocks_per_seq)
         self.host_kv: HostKVCache | None = None
         # Every forward's final hidden states by KV slot, where an MTP drafter reads them
         # (``runner/mtp_runner.py``); None otherwise.

@@ -28,6 +28,7 @@ from deepbatch.config import EngineConfig
 from deepbatch.runner.draft_model_runner import packed_batch
 from deepbatch.runner.model_runner import block_bytes
 from deepbatch.sampling.draft_rows import draw_drafts
+from deepbatch.sampling.host_copy import arrays_to_device
 from deepbatch.sampling.sampler import Sampler
 
 
@@ -87,10 +88,11 @@ class MTPRunner:
         ``draw_drafts`` says, the argmax without them); a tensor-parallel worker returns none."""
         if self.peers is not None:
             self.peers("forward", seqs, slots, chain)
+        # Pinned copies that queue behind the device's work (``sampling/host_copy.py``).
         if slots is not None:
-            hidden = self.hidden_cache[torch.from_numpy(slots).to(self.device)]
+            hidden = self.hidden_cache[arrays_to_device([np.asarray(slots, dtype=np.int64)], self.device)[0]]
         else:
-            hidden = self._out[torch.tensor(chain, device=self.device)]
+            hidden = self._out[arrays_to_device([np.asarray(chain, dtype=np.int64)], self.device)[0]]
         batch = packed_batch(seqs, self.block_size, self.device)
         stack = self.model.model
         layer = self.layer

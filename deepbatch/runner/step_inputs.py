@@ -4,7 +4,9 @@ sampling request's newest position, then its drafts' positions, ``sampling/draft
 
 A decode (one token) and a short chunk (a request's newest token and its drafts, up to
 ``SHORT_CHUNK`` tokens) are built from plain ints; a longer chunk (a prefill chunk) goes through
-numpy. The arrays cross to the device together, in one copy (``sampling/host_copy.py``).
+numpy. The arrays cross to the device together, in one copy (``sampling/host_copy.py``). Block
+tables stay on the device in the persistent batch, which is sent only what changed
+(``runner/persistent_batch.py``).
 """
 
 from __future__ import annotations
@@ -32,23 +34,28 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
     ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
     pending_rows, pending_src = [], []
     prompt_rows: list[PromptLogprobRows] = []
+    seq_rows: list[int] = []  # each request's row of the persistent batch
+    table_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
     max_blocks = 1
     for s in out.scheduled:
         r = s.request
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+        row = pool.row(r.request_id)
+        seq_rows.append(row)
+        pool.table_updates(row, r.block_ids, table_updates)
         if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
             if start < len(r.all_token_ids):
                 ids.append((r.all_token_ids[start],))
             else:  # sampled by the step still in flight: its id is in the token pool
                 ids.append((0,))
                 pending_rows.append(qsl[-1])
-                pending_src.append(pool.row(r.request_id))
+                pending_src.append(row)
             positions.append((start,))
             slots.append((r.block_ids[start // bs] * bs + start % bs,))
             # A one-token chunk short of the newest token (a decode always reaches it) may
             # be a prompt position.
-            if not s.samples and (rows := prompt_logprob_rows(r, start, end, qsl[-1])):
-                prompt_rows.append(rows)
+            if not s.samples and (lp_rows := prompt_logprob_rows(r, start, end, qsl[-1])):
+                prompt_rows.append(lp_rows)
         else:
             known = end - s.num_spec_tokens
             if known > len(r.all_token_ids):  # only a decode's one token can be pending
@@ -67,36 +74,36 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
                 table = np.asarray(r.block_ids, dtype=np.int64)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-            if rows := prompt_logprob_rows(r, start, end, qsl[-1]):
-                prompt_rows.append(rows)
+            if lp_rows := prompt_logprob_rows(r, start, end, qsl[-1]):
+                prompt_rows.append(lp_rows)
         qsl.append(qsl[-1] + s.num_new_tokens)
         seq_lens.append(end)
         if s.samples:
             logits_idx.append(qsl[-1] - 1)
         max_blocks = max(max_blocks, len(r.block_ids))
     q_lens = [s.num_new_tokens for s in out.scheduled]
-    tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-    for i, s in enumerate(out.scheduled):
-        tables[i, : len(s.request.block_ids)] = s.request.block_ids
     arrays = [np.concatenate(ids).astype(np.int64, copy=False),
               np.concatenate(positions).astype(np.int64, copy=False),
               np.concatenate(slots).astype(np.int64, copy=False),
-              np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), tables,
-              np.asarray(logits_idx + spec_idx, dtype=np.int64)]
-    if pending_rows:
-        arrays.append(np.asarray(pending_rows + pending_src, dtype=np.int64))
-    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, tables_d, logits_d, *where = arrays_to_device(arrays, device)
+              np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
+              np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64),
+              np.asarray(pending_rows + pending_src, dtype=np.int64),
+              np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32)]
+    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d, where, table_at, table_values = \
+        arrays_to_device(arrays, device)
     if pending_rows:
         # Stream order makes this read the previous step's sampled ids once they exist.
         n = len(pending_rows)
-        pool.read_pending(input_ids, where[0][:n], where[0][n:])
+        pool.read_pending(input_ids, where[:n], where[n:])
+    if table_updates[0]:  # the blocks that changed since each row's last step, then the step's rows
+        pool.apply_table_updates(table_at[0], table_at[1], table_values)
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
         slot_mapping=slots_d,
         query_start_loc=qsl_d,
         seq_lens=seq_lens_d,
-        block_tables=tables_d,
+        block_tables=pool.block_tables(rows_d, max_blocks),
         logits_indices=logits_d,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),

@@ -50,3 +50,69 @@ def test_pending_inputs_come_from_the_pool(tiny_checkpoints, monkeypatch):
     # Every decode step after the first reads its inputs from the pool: 3 requests x 11 decodes.
     assert sum(reads) == 3 * 11
     assert len(batch) == 0
+
+
+def reference_tables(block_lists: list[list[int]]) -> list[list[int]]:
+    """The table a step built on the host: each request's blocks, then zeros."""
+    width = max(1, *(len(b) for b in block_lists))
+    return [b + [0] * (width - len(b)) for b in block_lists]
+
+
+def step_tables(batch: PersistentBatch, requests: dict[str, list[int]]) -> list[list[int]]:
+    """What ``step_inputs`` does with the persistent batch for a step of ``requests``."""
+    updates = ([], [], [])
+    rows = []
+    for rid, block_ids in requests.items():
+        rows.append(batch.row(rid))
+        batch.table_updates(rows[-1], block_ids, updates)
+    if updates[0]:
+        batch.apply_table_updates(torch.tensor(updates[0]), torch.tensor(updates[1]),
+                                  torch.tensor(updates[2], dtype=torch.int32))
+    width = max(1, *(len(b) for b in requests.values()))
+    return batch.block_tables(torch.tensor(rows), width).tolist()
+
+
+def test_block_tables_follow_every_change_by_their_updates():
+    """Appended blocks, a request allocated afresh (preemption: a new list, shorter or longer),
+    sliding-window releases (NULL_BLOCK entries, a prefix), rows that change owner, a pool that
+    grows and a table that widens: the gathered tables equal the ones built on the host every
+    step, and a step where nothing changed sends nothing."""
+    import random
+
+    from deepbatch.kv_cache.manager import NULL_BLOCK
+
+    rng = random.Random(0)
+    batch = PersistentBatch(2, torch.device("cpu"), max_blocks_per_seq=3)
+    live: dict[str, list[int]] = {}
+    next_id = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.15 or not live:  # a new request
+            live[f"r{next_id}"] = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 5))]
+            next_id += 1
+        elif op < 0.25:  # one ends: its row goes to the next new request
+            rid = rng.choice(sorted(live))
+            del live[rid]
+            batch.release(rid)
+        elif op < 0.35:  # preempted and allocated afresh
+            rid = rng.choice(sorted(live))
+            live[rid] = [rng.randrange(1, 500) for _ in range(rng.randrange(0, 8))]
+        elif op < 0.45:  # a sliding window lets the oldest live blocks go, in place
+            rid = rng.choice(sorted(live))
+            b = live[rid]
+            first = next((i for i, x in enumerate(b) if x != NULL_BLOCK), len(b))
+            k = min(rng.randrange(1, 3), len(b) - first)
+            b[first:first + k] = [NULL_BLOCK] * k
+        else:  # some grow, in place
+            for rid in rng.sample(sorted(live), k=max(1, len(live) // 2)):
+                live[rid].extend(rng.randrange(1, 500) for _ in range(rng.randrange(0, 3)))
+        if not live:
+            continue
+        scheduled = {rid: live[rid] for rid in rng.sample(sorted(live), k=rng.randrange(1, len(live) + 1))}
+        assert step_tables(batch, scheduled) == reference_tables(list(scheduled.values())), step
+    assert batch.block_table.shape[0] > 2 and batch.block_table.shape[1] > 3  # grown and widened
+    # Nothing changed: no entry is sent.
+    updates = ([], [], [])
+    for rid in scheduled:
+        batch.table_updates(batch.row(rid), live[rid], updates)
+    assert updates == ([], [], [])
