@@ -12,6 +12,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+# Counts the threads torch's import started, before any op starts more (whether a tensor-parallel
+# engine may fork its workers: ``executor/threads.py``).
+import deepbatch.executor.threads  # noqa: F401
 from tqdm.auto import tqdm
 
 from deepbatch import envs

@@ -26,6 +26,7 @@ tensor parallelism rank 0 broadcasts the sampled ids, so every rank reads pendin
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -106,7 +107,8 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len, self.stats,
-                                       release=self._forget, detokenize=detokenize,
+                                       release=functools.partial(_forget, self.runner, self.proposer),
+                                       detokenize=detokenize,
                                        fault_request_id=config.fault_inject_detokenize_request)
         self._ids = itertools.count()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -118,12 +120,6 @@ class LLMEngine:
             self.num_blocks, config.cache.block_size, self.kv_cache.capacity_tokens,
             self.runner.describe_kv_cache(), self.runner.kv_bytes_per_block() / 1024,
         )
-
-    def _forget(self, request_id: str) -> None:
-        """A request ended: drop its state in the runner and the proposer (a draft model's cache)."""
-        self.runner.forget(request_id)
-        if self.proposer is not None:
-            self.proposer.forget(request_id)
 
     def _swap_cost_model(self, extra_bytes_per_block: int = 0) -> tuple[int, SwapCostModel] | None:
         """Host blocks and cost model for ``swap_space`` (None when it is 0), each block of the KV
@@ -397,3 +393,13 @@ class LLMEngine:
         if self.controller is not None:
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                          result.first_token[first:], result.done[done:])
+
+
+def _forget(runner: ModelRunner, proposer, request_id: str) -> None:
+    """A request ended: drop its state in the runner and the proposer (a draft model's cache).
+    A function of the two rather than an engine method, so the output processor holds no
+    reference back to the engine: a dropped engine then frees its weights and KV cache at once,
+    not whenever the cycle collector runs (the next engine built in the process may need them)."""
+    runner.forget(request_id)
+    if proposer is not None:
+        proposer.forget(request_id)

@@ -1,16 +1,22 @@
 """Starting and stopping the tensor-parallel worker processes (ranks 1..N-1).
 
 Start method. ``fork`` where it is safe: a forked worker starts at once and never imports the
-main module again, so a plain script needs no ``if __name__ == "__main__":`` guard. It is not
-safe once this process holds a CUDA context (a forked child cannot use it), on macOS (system
-frameworks are not fork-safe), or where the platform has no ``fork``. There, and when the program
-chose ``spawn`` itself (``multiprocessing.set_start_method("spawn")``), workers are spawned: a
-spawned worker starts a fresh interpreter that imports the main module again before it runs
-anything of deepbatch, so a script that builds the engine at its top level would build it again
-in every worker. That needs the guard, and the errors say so.
+main module again, so a plain script needs no ``if __name__ == "__main__":`` guard. It is safe
+only while this process runs no thread that could leave the child a lock held forever or torch's
+OpenMP pool without its threads (``threads.py``). A process that does (a test runner, a notebook,
+a server, a script that ran a large CPU op) starts its workers from ``forkserver`` instead: a
+server process of one thread, started once, that has imported the worker's code and forks each
+worker from itself. Forking is not safe either once
+this process holds a CUDA context (a forked child cannot use it), on macOS (system frameworks are
+not fork-safe), or where the platform has no ``fork``. There, and when the program chose
+``spawn`` itself (``multiprocessing.set_start_method("spawn")``), workers are spawned. A spawned
+worker, and one the fork server starts, imports the main module again before it runs anything of
+deepbatch, so a script that builds the engine at its top level would build it again in every
+worker. That needs the guard, and the errors say so.
 
 Output. Each worker's file descriptors 1 and 2 point at ``rank<r>.log`` in a directory made for
-this engine under the system temp dir (``TMPDIR``) from the moment the process exists, so its log
+this engine under the system temp dir (``TMPDIR``) from the moment the process exists (a worker
+from the fork server, which inherits the server's, points them there first thing), so its log
 records, tracebacks and whatever native libraries print land there, even output from before
 deepbatch's code runs (a spawned worker importing the main module). Errors name the file. A clean
 stop removes the directory; when a worker failed it is kept.
@@ -27,6 +33,7 @@ import contextlib
 import fcntl
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import sys
@@ -38,8 +45,9 @@ from multiprocessing import util as mp_util
 import torch
 
 from deepbatch.distributed.messages import ShutdownMessage
+from deepbatch.executor.threads import fork_is_safe
 from deepbatch.executor.watchdog import WorkerWatchdog
-from deepbatch.runner.worker import WorkerArgs, run_worker
+from deepbatch.runner.worker import WorkerArgs, WorkerLink, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +67,30 @@ def choose_start_method() -> str:
     return "fork"
 
 
-def guard_hint(method: str) -> str:
+def worker_start_method() -> str:
+    """How to start tensor-parallel workers: as ``choose_start_method``, but from the fork server
+    where this process runs threads that make a fork unsafe (``threads.py``)."""
+    method = choose_start_method()
+    if method == "fork" and not fork_is_safe() and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return method
+
+
+def _preload_fork_server(ctx, args: WorkerArgs) -> None:
+    """Have the fork server import the worker's code and the model config's class once, so each
+    worker it forks starts at once instead of importing torch and transformers again (the
+    config's module alone pulls in some 1,700 modules: 2 s on two cores). Only a server not yet
+    running can be told (and only ours to tell: a program that set its own preload list keeps it)."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None and getattr(server, "_preload_modules", None) == ["__main__"]:
+        ctx.set_forkserver_preload(["deepbatch.runner.worker", type(args.hf_config).__module__])
+
+
+def guard_hint(method: str | None = None) -> str:
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     where = f" ({main})" if main else ""
-    return (f"with the {method!r} start method each worker first imports the main module{where} again, so a "
+    how = f"with the {method!r} start method" if method else "spawned or started by the fork server,"
+    return (f"{how} each worker first imports the main module{where} again, so a "
             f"script must create the LLM (or engine) under `if __name__ == \"__main__\":`, not at its top level")
 
 
@@ -74,7 +102,7 @@ def check_not_importing_main() -> None:
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
             raise RuntimeError(f"a tensor-parallel engine was started while a worker process imported the "
-                               f"main module: {guard_hint(multiprocessing.get_start_method())}")
+                               f"main module: {guard_hint()}")
         frame = frame.f_back
 
 
@@ -122,14 +150,17 @@ class WorkerGroup:
     it holds nothing of the executor, so the executor can be collected while its workers run."""
 
     def __init__(self, world_size: int, args_of: Callable[[int], WorkerArgs]):
-        self.method = choose_start_method()
+        self.method = worker_start_method()
         ctx = multiprocessing.get_context(self.method)
+        if self.method == "forkserver":
+            _preload_fork_server(ctx, args_of(1))
         self.log_dir = tempfile.mkdtemp(prefix=f"deepbatch-tp-{os.getpid()}-")
         logger.info("tensor parallel: starting %d worker process(es) by %s; their output goes to %s",
                     world_size - 1, self.method, self.log_dir)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.inboxes: list = []
         self._started: list = []  # set by each worker once deepbatch's code runs in it
+        self._alive_pipes: list = []  # forkserver: each worker sees its end close when rank 0 exits
         self._watchdog: WorkerWatchdog | None = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -139,10 +170,20 @@ class WorkerGroup:
                 # Never wait at exit for messages a dead worker will not read.
                 inbox.cancel_join_thread()
                 started = ctx.Event()
-                proc = ctx.Process(target=run_worker, args=(args_of(rank), inbox, started),
+                link = WorkerLink(inbox, started)
+                if self.method == "forkserver":
+                    # The server's child inherits the server's fds and environment and knows the
+                    # server as its parent: it opens its log itself, takes this process's
+                    # environment, and watches rank 0 through a pipe only rank 0 holds.
+                    alive_r, alive_w = ctx.Pipe(duplex=False)
+                    self._alive_pipes.append(alive_w)
+                    link = WorkerLink(inbox, started, self.log_path(rank), dict(os.environ), alive_r)
+                proc = ctx.Process(target=run_worker, args=(args_of(rank), link),
                                    name=f"deepbatch-tp{rank}", daemon=True)
                 with _output_to(self.log_path(rank)):
                     proc.start()
+                if link.rank0_alive is not None:
+                    link.rank0_alive.close()
                 self.inboxes.append(inbox)
                 self._started.append(started)
                 self.procs.append(proc)
@@ -206,5 +247,7 @@ class WorkerGroup:
             proc.join(JOIN_S)
         for inbox in self.inboxes:
             inbox.close()
+        for pipe in self._alive_pipes:
+            pipe.close()
         if self.procs and all(p.exitcode == 0 for p in self.procs):
             shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -79,15 +79,18 @@ class TensorParallelExecutor:
         self._closed = False
         self._fault_listeners: list[Callable[[], None]] = []
         self._builder = StepMessageBuilder()
-        # Port 0: the OS picks a free port; workers learn it from their arguments.
-        self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
-                                    wait_for_workers=False)
-        port = self._store.port
-        self._workers = WorkerGroup(size, lambda rank: WorkerArgs(rank, size, _STORE_HOST, port, config, source,
+        # The workers start before the store: its server is a thread, and a process is forked
+        # safely only while it runs one (``launch``).
+        self._workers = WorkerGroup(size, lambda rank: WorkerArgs(rank, size, _STORE_HOST, config, source,
                                                                   hf_config, max_model_len))
         # The workers hold nothing of the executor, so dropping the engine stops them.
         weakref.finalize(self, self._workers.stop)
         try:
+            # Port 0: the OS picks a free port; each worker's first message names it.
+            self._store = dist.TCPStore(_STORE_HOST, 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                                        wait_for_workers=False)
+            for inbox in self._workers.inboxes:
+                inbox.put(self._store.port)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             self._await_workers(joined_key, deadline)
             self.group = init_tensor_parallel_group(0, size, config.device, self._store, parallel.distributed_timeout_s)

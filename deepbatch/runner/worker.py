@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -44,18 +45,46 @@ _PARENT_POLL_S = 1.0
 class WorkerArgs:
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
+    store_host: str  # the port comes as the first message: rank 0 opens its store after the fork
     config: EngineConfig
     source: ModelSource
     hf_config: object
     max_model_len: int
 
 
-def run_worker(args: WorkerArgs, inbox, started=None) -> None:
-    """Process entry point (forked or spawned, ``launch`` decides); ``inbox`` is the queue rank 0
-    puts messages on; ``started`` (an event) is set once this code runs. Stdout and stderr are
-    already the rank's log file."""
+@dataclass
+class WorkerLink:
+    """What ties a worker to rank 0: ``inbox``, the queue rank 0 puts messages on; ``started``, an
+    event set once this code runs. A worker the fork server starts also gets its ``log_path``
+    (its fds 1 and 2 are the server's), rank 0's ``environ`` (it has the server's, as it was when
+    the server started) and ``rank0_alive``, a pipe end that reads as closed once rank 0 exits (its
+    parent is the server, not rank 0)."""
+    inbox: Any
+    started: Any = None
+    log_path: str | None = None
+    environ: dict[str, str] | None = None
+    rank0_alive: Any = None
+
+
+class _PipeWatch:
+    def __init__(self, conn):
+        self._conn = conn
+
+    def is_alive(self) -> bool:
+        return not self._conn.poll()  # rank 0 never writes: readable means its end closed
+
+
+def run_worker(args: WorkerArgs, link: WorkerLink) -> None:
+    """Process entry point (forked, spawned or from the fork server, ``launch`` decides). Stdout
+    and stderr are the rank's log file."""
+    if link.environ is not None:
+        os.environ.clear()
+        os.environ.update(link.environ)
+    if link.log_path is not None:
+        fd = os.open(link.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     # Ctrl-C reaches the whole process group; rank 0 handles it and stops the workers cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits rank 0's Python-level streams, which need not be fds 1 and 2 (a test
@@ -65,14 +94,15 @@ def run_worker(args: WorkerArgs, inbox, started=None) -> None:
     # It inherits rank 0's logging set-up too; its records go to its own log instead.
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [tp-rank{args.rank}] %(message)s",
                         stream=sys.stderr, force=True)
-    if started is not None:
-        started.set()
+    if link.started is not None:
+        link.started.set()
     logger.info("tensor-parallel worker rank %d of %d: pid %d, parent %d", args.rank, args.world_size, os.getpid(),
                 os.getppid())
     # The entry point is this process's edge: the one place it reads the environment.
     fault = (envs.DEEPBATCH_FAULT_INJECT_WORKER_STEP, envs.DEEPBATCH_FAULT_INJECT_WORKER_MODE)
     try:
-        _serve(args, inbox, fault)
+        rank0 = _PipeWatch(link.rank0_alive) if link.rank0_alive is not None else multiprocessing.parent_process()
+        _serve(args, link.inbox, rank0, fault)
     except BaseException:  # noqa: BLE001 - whatever it is, rank 0 must learn of it by our exit
         logger.exception("tensor-parallel worker rank %d failed", args.rank)
         sys.stdout.flush()
@@ -81,7 +111,7 @@ def run_worker(args: WorkerArgs, inbox, started=None) -> None:
     os._exit(0)
 
 
-def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
+def _serve(args: WorkerArgs, inbox, rank0, fault: tuple[int | None, str]) -> None:
     config = args.config
     if config.device.startswith("cuda"):
         torch.cuda.set_device(args.rank)
@@ -90,8 +120,11 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     torch.manual_seed(config.model.seed)
     parallel = config.parallel
+    port = _next_message(inbox, rank0)
+    if port is None:
+        return
     # The store lives in rank 0's process: if rank 0 goes away, waiting on it fails at once.
-    store = dist.TCPStore(args.store_host, args.store_port, args.world_size, False,
+    store = dist.TCPStore(args.store_host, port, args.world_size, False,
                           timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(joined_key(args.rank), "1")
     group = init_tensor_parallel_group(args.rank, args.world_size, config.device, store, parallel.distributed_timeout_s)
@@ -109,9 +142,8 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
         drafter = MTPRunner(config, runner, args.max_model_len)
         drafter.init_kv_cache(num_blocks)
     mirror = RequestMirror()
-    parent = multiprocessing.parent_process()
     while True:
-        msg = _next_message(inbox, parent)
+        msg = _next_message(inbox, rank0)
         if msg is None or isinstance(msg, ShutdownMessage):
             return
         if isinstance(msg, RunnerCallMessage) and msg.method in (DRAFTER_CALLS if msg.drafter else RUNNER_CALLS):
@@ -135,13 +167,13 @@ def _serve(args: WorkerArgs, inbox, fault: tuple[int | None, str]) -> None:
             runner.adopt_sampled(group.broadcast_from_first(token_ids), sampled)
 
 
-def _next_message(inbox, parent):
+def _next_message(inbox, rank0):
     """The next message, or None once rank 0's process is gone (nobody will send one)."""
     while True:
         try:
             return inbox.get(timeout=_PARENT_POLL_S)
         except queue.Empty:
-            if parent is not None and not parent.is_alive():
+            if rank0 is not None and not rank0.is_alive():
                 return None
 
 

@@ -3,6 +3,7 @@ fixture, DeepSeek-V2 built here) and one intra-op thread per rank (two ranks sha
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -25,7 +26,10 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def worker_logs_in_tmp_path(tmp_path, monkeypatch):
     """A failed engine keeps its workers' log directory (under the temp dir): keep those of the
-    tests that fail engines on purpose inside the test's own directory."""
+    tests that fail engines on purpose inside the test's own directory. multiprocessing's own
+    temp dir (the fork server's socket lives there) is made first, in the real temp dir: it is
+    made once per process and must outlive this test."""
+    multiprocessing.util.get_temp_dir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
