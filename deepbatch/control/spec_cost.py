@@ -77,14 +77,22 @@ class SpecCostModel:
         self._learning_drafts = False  # under async scheduling: whether the last learning step drafted
         self._arm: str | None = None  # wants_drafts's choice for the step choose_caps caps: all | best
         self.last_caps: list[int] | None = None  # the last step's, for the tests
+        # The fits change only when a step is observed; between two observations a step asks for
+        # its prices twice (``wants_drafts``, then ``choose_caps``): solved once.
+        self._observed = 0
+        self._plain_memo: tuple[int, StepTimeCoeffs | None] | None = None
 
     # -- measurements ----------------------------------------------------------------------
 
     def observe_step(self, duration_s: float, num_scheduled_tokens: int, num_seqs: int,
-                     drafted_per_position: list[int], accepted_per_position: list[int], num_drafts: int = 0) -> None:
+                     drafted_per_position: list[int], accepted_per_position: list[int], num_drafts: int = 0,
+                     drafting_arm: bool = False) -> None:
         """A committed step: its time and shape (``num_drafts`` of its tokens were drafts), and
-        the engine's cumulative per-position draft counters (``EngineStats``)."""
-        if num_drafts == 0:
+        the engine's cumulative per-position draft counters (``EngineStats``). ``drafting_arm``:
+        under async scheduling, the step was run for drafts (proposed, synchronous) even if none
+        were left to run; its time is a drafting step's, with no drafts, never a plain step's."""
+        self._observed += 1
+        if num_drafts == 0 and not drafting_arm:
             self.fit.observe(num_scheduled_tokens, num_seqs, duration_s)
         else:
             self.num_drafting_steps += 1
@@ -132,9 +140,12 @@ class SpecCostModel:
     def _plain_fit(self) -> StepTimeCoeffs | None:
         """The plain steps' fit; where they all had one shape (a steady batch of decodes) and
         none can be fitted, their mean time, which is what a step of that shape takes."""
+        if self._plain_memo is not None and self._plain_memo[0] == self._observed:
+            return self._plain_memo[1]
         coeffs = self.fit.fit()
         if coeffs is None and len(self.fit.steps) >= self.fit.min_steps:
             coeffs = StepTimeCoeffs(self.fit.mean_duration(), 0.0, 0.0)
+        self._plain_memo = (self._observed, coeffs)
         return coeffs
 
     def _prices(self, num_decoding: int, num_seqs: int):
@@ -165,9 +176,12 @@ class SpecCostModel:
         self.explore_every = min(MAX_EXPLORE_EVERY, max(EXPLORE_EVERY, math.ceil(lost / EXPLORE_BUDGET)))
         return best_n
 
-    def wants_drafts(self, num_decoding: int, num_seqs: int) -> bool:
+    def wants_drafts(self, num_decoding: int, num_seqs: int, requests: list | None = None) -> bool:
         """Under async scheduling, before the drafts are proposed: which arm the next step takes,
-        at the engine-wide acceptance with every decoding request drafting. A drafting step runs
+        with every decoding request (``requests``; without them, ``num_decoding`` of them at the
+        engine-wide acceptance) drafting all it may, at the acceptance ``choose_caps`` will judge
+        its drafts by (so the two agree: a step run for drafts that then keeps none is
+        synchronous for nothing). A drafting step runs
         synchronously (``choose_caps`` then caps it, as decided here); a plain one stays
         asynchronous, and so is measured as the engine runs it: the learning steps without drafts
         and the exploring ones are asynchronous plain steps too."""
@@ -178,8 +192,12 @@ class SpecCostModel:
             self._learning_drafts = not self._learning_drafts
             draft, arm = self._learning_drafts, "all"
         else:
-            # Positions of one index share a probability.
-            pays = self._decide(np.asarray(self.acceptance()), num_decoding, num_decoding, prices) > 0
+            wide = np.asarray(self.acceptance())
+            if requests:  # each request's positions, in falling probability
+                probs = np.sort(self._acceptance_rows(requests, wide).ravel())[::-1]
+                pays = self._decide(probs, 1, num_decoding, prices) > 0
+            else:  # positions of one index share a probability
+                pays = self._decide(wide, num_decoding, num_decoding, prices) > 0
             self._since_explore += 1
             explore = self._since_explore >= self.explore_every
             if explore:
@@ -202,12 +220,12 @@ class SpecCostModel:
     def _acceptance_rows(self, requests: list, engine_wide: np.ndarray) -> np.ndarray:
         """``request_acceptance`` of each request, as rows of one array."""
         k = self.max_drafts
-        drafted = np.zeros((len(requests), k))
-        accepted = np.zeros((len(requests), k))
-        for i, r in enumerate(requests):
-            if r.spec_drafted:
-                drafted[i, :len(r.spec_drafted[:k])] = r.spec_drafted[:k]
-                accepted[i, :len(r.spec_accepted[:k])] = r.spec_accepted[:k]
+        pad = [0] * k
+        # Rows padded in Python and converted once: per-row numpy writes cost more at batch 256.
+        drafted = np.array([(r.spec_drafted + pad)[:k] if r.spec_drafted else pad for r in requests],
+                           dtype=np.float64).reshape(len(requests), k)
+        accepted = np.array([(r.spec_accepted + pad)[:k] if r.spec_drafted else pad for r in requests],
+                            dtype=np.float64).reshape(len(requests), k)
         p = (accepted + REQUEST_PRIOR * engine_wide) / (drafted + REQUEST_PRIOR)
         return np.minimum.accumulate(p, axis=1)
 

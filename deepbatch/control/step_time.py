@@ -48,8 +48,10 @@ class StepTimeFit:
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.min_steps = min_steps
         self.ridge = ridge
-        self._xtx = np.zeros((3, 3))  # sum of x x^T over the window, x = (1, tokens, seqs)
-        self._xty = np.zeros(3)  # sum of x * duration
+        # Plain floats, not numpy: updated at every step, where numpy's per-call cost would be
+        # most of the time.
+        self._xtx = [[0.0] * 3 for _ in range(3)]  # sum of x x^T over the window, x = (1, tokens, seqs)
+        self._xty = [0.0] * 3  # sum of x * duration
         self.num_mixed = 0  # steps where tokens and sequences differ: the only ones that separate b from c
         self._token_counts: Counter[int] = Counter()
         self._since_resum = 0
@@ -66,9 +68,12 @@ class StepTimeFit:
             self._resum()  # adding and removing leaves rounding behind; start again from the window
 
     def _account(self, tokens: int, seqs: int, duration: float, sign: float) -> None:
-        x = np.array((1.0, float(tokens), float(seqs)))
-        self._xtx += sign * np.outer(x, x)
-        self._xty += sign * duration * x
+        x = (1.0, float(tokens), float(seqs))
+        for i in range(3):
+            row = self._xtx[i]
+            for j in range(3):
+                row[j] += sign * x[i] * x[j]
+            self._xty[i] += sign * duration * x[i]
         self.num_mixed += int(sign) * (tokens != seqs)
         self._token_counts[tokens] += int(sign)
         if not self._token_counts[tokens]:
@@ -77,12 +82,12 @@ class StepTimeFit:
     def _resum(self) -> None:
         data = np.asarray(self.steps, dtype=np.float64).reshape(-1, 3)
         x = np.column_stack((np.ones(len(data)), data[:, 0], data[:, 1]))
-        self._xtx, self._xty = x.T @ x, x.T @ data[:, 2]
+        self._xtx, self._xty = (x.T @ x).tolist(), (x.T @ data[:, 2]).tolist()
         self._since_resum = 0
 
     def mean_duration(self) -> float | None:
         """The mean time of the steps in the window (None without any)."""
-        return float(self._xty[0] / self._xtx[0, 0]) if self.steps else None
+        return self._xty[0] / self._xtx[0][0] if self.steps else None
 
     def fit(self) -> StepTimeCoeffs | None:
         if len(self.steps) < self.min_steps:
@@ -102,25 +107,42 @@ class StepTimeFit:
         return None
 
 
-def _ridge_solve(xtx: np.ndarray, xty: np.ndarray, n: int, free: list[int], ridge: float) -> list[float] | None:
+def _ridge_solve(xtx: list[list[float]], xty: list[float], n: int, free: list[int], ridge: float) -> list[float] | None:
     """Least squares over the ``free`` columns (the others are 0) from the normal equations, with
     ``ridge`` times the mean square of column 2 added to its diagonal (the prior ``c = 0``) and a
     tiny relative ridge on every column so that a column that is constant or repeats another
-    cannot make the system singular."""
-    m = xtx[np.ix_(free, free)].copy()
-    v = xty[free]
-    diag = np.diag(m).copy()
-    m[np.diag_indices_from(m)] += 1e-9 * diag + 1e-30
-    if 2 in free:
-        i = free.index(2)
-        m[i, i] += ridge * diag[i] / n
-    try:
-        sol = np.linalg.solve(m, v)
-    except np.linalg.LinAlgError:
-        return None
-    if not np.all(np.isfinite(sol)):
+    cannot make the system singular. At most 3 x 3, solved in plain floats: it runs between two
+    steps, where numpy's per-call cost (tens of microseconds a solve) would be most of the time."""
+    m = [[xtx[i][j] for j in free] for i in free]
+    v = [float(xty[i]) for i in free]
+    for i, ci in enumerate(free):
+        d = m[i][i]
+        m[i][i] += 1e-9 * d + 1e-30 + (ridge * d / n if ci == 2 else 0.0)
+    sol = _gauss_solve(m, v)
+    if sol is None or not all(math.isfinite(x) for x in sol):
         return None
     theta = [0.0, 0.0, 0.0]
     for i, ci in enumerate(free):
-        theta[ci] = float(sol[i])
+        theta[ci] = sol[i]
     return theta
+
+
+def _gauss_solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m x = v`` by Gaussian elimination with partial pivoting (``m``, ``v`` are overwritten);
+    None where ``m`` is singular."""
+    size = len(v)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(m[r][col]))
+        if m[pivot][col] == 0.0:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        v[col], v[pivot] = v[pivot], v[col]
+        for r in range(col + 1, size):
+            f = m[r][col] / m[col][col]
+            for c in range(col, size):
+                m[r][c] -= f * m[col][c]
+            v[r] -= f * v[col]
+    x = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        x[r] = (v[r] - sum(m[r][c] * x[c] for c in range(r + 1, size))) / m[r][r]
+    return x

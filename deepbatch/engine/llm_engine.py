@@ -317,11 +317,12 @@ class LLMEngine:
             self._step_sync(result)
         return self.outputs.take(result.touched, finished_only)
 
-    def _step_sync(self, result: StepResult) -> None:
+    def _step_sync(self, result: StepResult, drafting_arm: bool = False) -> None:
+        """``drafting_arm``: an async engine runs this step synchronously for its drafts."""
         out, pending, started = self._schedule_and_launch(result)
         self.scheduler.advance(out, pending=False)
         if pending is not None:
-            self._commit(out, pending, started, result)
+            self._commit(out, pending, started, result, drafting_arm)
 
     def _step_async(self, result: StepResult) -> None:
         """Launch step N+1, then commit step N: the host's work overlaps the device's. A step
@@ -332,7 +333,7 @@ class LLMEngine:
             if self._inflight is not None:
                 self._commit(*self._inflight, result)
                 self._inflight = None
-            self._step_sync(result)
+            self._step_sync(result, drafting_arm=True)
             return
         out, pending, started = self._schedule_and_launch(result, propose=False)
         if self._inflight is not None:
@@ -347,8 +348,8 @@ class LLMEngine:
             return True
         running = self.scheduler.running
         # A request whose newest token is pending decodes next as well.
-        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens <= 1)
-        return self.spec_cost.wants_drafts(decoding, len(running))
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
+        return self.spec_cost.wants_drafts(len(decoding), len(running), decoding)
 
     def _schedule_and_launch(self, result: StepResult,
                              propose: bool = True) -> tuple[SchedulerOutput, PendingSample | None, float]:
@@ -374,7 +375,8 @@ class LLMEngine:
                 self.stats.num_prompt_tokens += min(s.num_new_tokens, r.num_prompt_tokens - r.num_computed_tokens)
         return out, self.runner.launch(out), started
 
-    def _commit(self, out: SchedulerOutput, pending: PendingSample, started: float, result: StepResult) -> None:
+    def _commit(self, out: SchedulerOutput, pending: PendingSample, started: float, result: StepResult,
+                drafting_arm: bool = False) -> None:
         """Hand a launched step's sampled tokens to the output processor; feed the controller."""
         sampled = pending.resolve()
         now = time.monotonic()
@@ -389,7 +391,7 @@ class LLMEngine:
         if self.spec_cost is not None:
             self.spec_cost.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                         self.stats.spec_drafted_per_position, self.stats.spec_accepted_per_position,
-                                        sum(s.num_spec_tokens for s in out.scheduled))
+                                        sum(s.num_spec_tokens for s in out.scheduled), drafting_arm)
         if self.controller is not None:
             self.controller.observe_step(now - started, out.num_scheduled_tokens, len(out.scheduled),
                                          result.first_token[first:], result.done[done:])

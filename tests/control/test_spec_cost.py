@@ -212,3 +212,30 @@ def test_under_async_scheduling_the_plain_steps_that_learn_or_explore_stay_async
             caps.append(cheap.choose_caps([cheap.acceptance()] * 8, [4] * 8, 8, 8))
     assert 0 < answers.count(False) <= len(answers) // EXPLORE_EVERY
     assert caps and all(c == [4] * 8 for c in caps)  # the drafting steps keep every draft
+
+
+def test_the_arm_is_chosen_by_the_acceptance_the_caps_are_chosen_by():
+    # The engine-wide figure still says drafts are mostly accepted (it ages only as drafts run),
+    # while every decoding request's own record says they never are: judged by the records, as
+    # ``choose_caps`` will judge them, the step stays plain and asynchronous instead of running
+    # synchronously for drafts that are then all cut.
+    model = fed(0.0015, 1e-6, [0.9, 0.8, 0.7, 0.6], overhead=0.0005)
+    assert model.wants_drafts(num_decoding=8, num_seqs=8)  # the engine-wide figure alone
+    never = [request([40] * 4, [0] * 4) for _ in range(8)]
+    assert not model.wants_drafts(num_decoding=8, num_seqs=8, requests=never)
+    assert model.choose_caps([model.request_acceptance(r) for r in never], [4] * 8, 8, 8) == [0] * 8
+    copying = [request([40] * 4, [38, 36, 34, 32]) for _ in range(8)]
+    assert model.wants_drafts(num_decoding=8, num_seqs=8, requests=copying)
+
+
+def test_a_step_run_for_drafts_that_kept_none_is_not_a_plain_step():
+    # Under async scheduling such a step ran synchronously (and proposed): its time would make a
+    # plain step look dearer and drafting cheaper than they are. It counts with the drafting
+    # steps, as one of no drafts: what the drafting arm costs before any draft.
+    model = fed(0.0015, 1e-6, [0.5] * 4)
+    plain_steps = len(model.fit.steps)
+    drafting = model.num_drafting_steps
+    model.observe_step(0.0025, 8, 8, [1000] * 4, [500] * 4, num_drafts=0, drafting_arm=True)
+    assert len(model.fit.steps) == plain_steps and model.num_drafting_steps == drafting + 1
+    model.observe_step(0.0015, 8, 8, [1000] * 4, [500] * 4, num_drafts=0)
+    assert len(model.fit.steps) == plain_steps + 1
