@@ -6,10 +6,10 @@ only while this process runs no thread that could leave the child a lock held fo
 OpenMP pool without its threads (``threads.py``). A process that does (a test runner, a notebook,
 a server, a script that ran a large CPU op) starts its workers from ``forkserver`` instead: a
 server process of one thread, started once, that has imported the worker's code and forks each
-worker from itself. Forking is not safe either once
-this process holds a CUDA context (a forked child cannot use it), on macOS (system frameworks are
-not fork-safe), or where the platform has no ``fork``. There, and when the program chose
-``spawn`` itself (``multiprocessing.set_start_method("spawn")``), workers are spawned. A spawned
+worker from itself. Forking is not safe either once this process holds a CUDA context (a forked
+child cannot use it), on macOS (system frameworks are not fork-safe), or where the platform has
+no ``fork``. There, and when the program chose ``spawn`` itself
+(``multiprocessing.set_start_method("spawn")``), workers are spawned. A spawned
 worker, and one the fork server starts, imports the main module again before it runs anything of
 deepbatch, so a script that builds the engine at its top level would build it again in every
 worker. That needs the guard, and the errors say so.

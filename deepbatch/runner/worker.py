@@ -2,10 +2,11 @@
 the KV cache, running the same forward as rank 0 on the batch each ``StepMessage`` describes.
 
 Start-up runs in lockstep with rank 0 (``TensorParallelExecutor``), collective for collective:
-join the group, build the model shard, profile the KV cache, agree on the smallest block count.
-Then the loop: wait for a message, mirror it, run the forward, take rank 0's sampled ids. The worker exits 0 on
-``ShutdownMessage`` or when rank 0's process is gone, and 1 on any error (which rank 0 sees as a
-failed collective or through its watchdog).
+take the store's port (the first message), join the group, build the model shard, profile the KV
+cache, agree on the smallest block count. Then the loop: wait for a message, mirror it, run the
+forward, take rank 0's sampled ids. The worker exits 0 on ``ShutdownMessage`` or when rank 0's
+process is gone, and 1 on any error (which rank 0 sees as a failed collective or through its
+watchdog).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def _serve(args: WorkerArgs, inbox, rank0, fault: tuple[int | None, str]) -> Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     torch.manual_seed(config.model.seed)
     parallel = config.parallel
-    port = _next_message(inbox, rank0)
-    if port is None:
+    port = _next_message(inbox, rank0)  # rank 0's store: opened once its workers exist
+    if not isinstance(port, int):  # rank 0 is gone, or stopped before it started
         return
     # The store lives in rank 0's process: if rank 0 goes away, waiting on it fails at once.
     store = dist.TCPStore(args.store_host, port, args.world_size, False,
