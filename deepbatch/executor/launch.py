@@ -9,10 +9,10 @@ server process of one thread, started once, that has imported the worker's code 
 worker from itself. Forking is not safe either once this process holds a CUDA context (a forked
 child cannot use it), on macOS (system frameworks are not fork-safe), or where the platform has
 no ``fork``. There, and when the program chose ``spawn`` itself
-(``multiprocessing.set_start_method("spawn")``), workers are spawned. A spawned
-worker, and one the fork server starts, imports the main module again before it runs anything of
-deepbatch, so a script that builds the engine at its top level would build it again in every
-worker. That needs the guard, and the errors say so.
+(``multiprocessing.set_start_method("spawn")``), workers are spawned. A spawned worker, and one
+the fork server starts, imports the main module again before it runs anything of deepbatch, so a
+script that builds the engine at its top level would build it again in every worker. That needs
+the guard, and the errors say so.
 
 Output. Each worker's file descriptors 1 and 2 point at ``rank<r>.log`` in a directory made for
 this engine under the system temp dir (``TMPDIR``) from the moment the process exists (a worker
