@@ -119,6 +119,7 @@ class _MirroredRequest:
 
     __slots__ = ("request_id", "all_token_ids", "num_pending_tokens", "block_ids", "num_computed_tokens",
                  "prompt_logprobs_end", "spec_token_ids")
+    sampling_params = None  # rank 0 samples: its runner alone keeps the parameters' rows
 
     def __init__(self, req_id: str):
         self.request_id = req_id

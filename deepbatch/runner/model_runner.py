@@ -32,11 +32,11 @@ from deepbatch.layers.kv_scales import (calibration_token_ids, layers_without_sc
                                         set_kv_scales, warn_missing_scales)
 from deepbatch.runner.kv_swap import HostKVCache
 from deepbatch.runner.persistent_batch import PersistentBatch
-from deepbatch.runner.step_inputs import step_inputs
-from deepbatch.sampling.host_copy import arrays_to_device
+from deepbatch.runner.step_inputs import StepInputs, step_inputs
 from deepbatch.sampling.penalty_state import bytes_per_row as penalty_bytes_per_row
 from deepbatch.sampling.draft_rows import sampling_rows, step_drafts
-from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
+from deepbatch.sampling.param_rows import StepParams
+from deepbatch.sampling.prompt_logprobs import compute_prompt_logprobs
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.sampler import Sampler
 from deepbatch.core.scheduler_output import SchedulerOutput
@@ -81,6 +81,8 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         # Each request's row, and the device token pool a pending input token is read from.
         self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.device, self.max_blocks_per_seq)
+        # The persistent rows of the last launched step's logits rows (``adopt_sampled``).
+        self._sample_rows: torch.Tensor | None = None
         self.host_kv: HostKVCache | None = None
         # Every forward's final hidden states by KV slot, where an MTP drafter reads them
         # (``runner/mtp_runner.py``); None otherwise.
@@ -277,10 +279,9 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------------
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
-        return self._build_batch(out)[0]
+        return self._build_batch(out).batch
 
-    def _build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
-        """The step's ForwardBatch, and the rows whose logits give prompt logprobs (usually none)."""
+    def _build_batch(self, out: SchedulerOutput) -> StepInputs:
         return step_inputs(out, self.block_size, self.batch, self.device)
 
     @torch.no_grad()
@@ -291,51 +292,55 @@ class ModelRunner:
         # Before the forward, which may rewrite blocks freed by this step's swap-outs; stream
         # order puts the copies after the previous launch's writes.
         self.swap_blocks(out)
-        batch, prompt_rows = self._build_batch(out)
+        step = self._build_batch(out)
+        batch = step.batch
+        self._sample_rows = step.sample_rows_device
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch)
         if self.hidden_cache is not None:
             self.hidden_cache.index_copy_(0, batch.slot_mapping, hidden)
         sampling: list[Request] = [s.request for s in out.scheduled if s.samples]
-        if prompt_rows:
-            return self._sample_with_prompt_logprobs(hidden, batch, sampling, prompt_rows, out)
+        if step.prompt_rows:
+            return self._sample_with_prompt_logprobs(hidden, step, sampling, out)
         if not sampling:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # a tensor-parallel worker: its logits went to rank 0, which samples
             return None
-        return self._sample(logits, sampling, out)
+        return self._sample(logits, sampling, out, step)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request], out: SchedulerOutput) -> PendingSample:
+    def _sample(self, logits: torch.Tensor, sampling: list[Request], out: SchedulerOutput,
+                step: StepInputs) -> PendingSample:
         """Rows ``[0, len(sampling))`` are the sampled requests' newest positions; any after them
         are the draft positions of speculative decoding, drawn like the rest
-        (``sampling/draft_rows.py``)."""
+        (``sampling/draft_rows.py``). Their parameters are gathered from the persistent rows."""
         n = len(sampling)
         drafts = step_drafts(out.scheduled) if logits.shape[0] > n else []
-        pending = self.sampler.sample(logits, sampling_rows(sampling, drafts) if drafts else sampling)
-        self.adopt_sampled(pending.token_ids[:n], sampling)
+        params = StepParams.gather(self.batch.params, step.sample_rows[:logits.shape[0]], step.sample_rows_device)
+        pending = self.sampler.sample(logits, sampling_rows(sampling, drafts) if drafts else sampling, params)
+        self.adopt_sampled(pending.token_ids[:n])
         if drafts:
             pending.attach_drafts(n, drafts)
         return pending
 
-    def adopt_sampled(self, token_ids: torch.Tensor, sampled: list[Request]) -> None:
-        """The step's sampled ids (``token_ids[i]`` is ``sampled[i]``'s) into the token pool, where
-        the next step reads a pending input token; a tensor-parallel worker gets rank 0's."""
-        rows = np.fromiter((self.batch.row(r.request_id) for r in sampled), dtype=np.int64, count=len(sampled))
-        self.batch.record_sampled(arrays_to_device([rows], self.device)[0], token_ids)
+    def adopt_sampled(self, token_ids: torch.Tensor) -> None:
+        """The last launched step's sampled ids (``token_ids[i]`` is its ``i``-th sampling
+        request's) into the token pool, where the next step reads a pending input token; a
+        tensor-parallel worker gets rank 0's."""
+        self.batch.record_sampled(self._sample_rows[:len(token_ids)], token_ids)
 
-    def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, batch: ForwardBatch, sampling: list[Request],
-                                     prompt_rows: list[PromptLogprobRows],
+    def _sample_with_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs, sampling: list[Request],
                                      out: SchedulerOutput) -> PendingSample | None:
         """A step that also computes prompt logprobs. Every tensor-parallel rank runs it, making
         the same ``compute_logits`` calls: the sampled rows' first, then the prompt rows'."""
         pending = None
         if sampling:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(hidden[step.batch.logits_indices])
             if logits is not None:
-                pending = self._sample(logits, sampling, out)
-        prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows, self.sampler.vocab_size)
+                pending = self._sample(logits, sampling, out, step)
+        prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, step.prompt_rows,
+                                         self.sampler.vocab_size)
         if prompt is None:  # a tensor-parallel worker
             return None
         if pending is None:  # no request samples: only prompt logprobs come back

@@ -24,6 +24,9 @@ or the row changed owner) or shorter is sent whole; one that grew sends its new 
 a sliding window released (``kv_cache/manager.py``: ``NULL_BLOCK``, always a prefix) are sent as
 they are released. Stream order puts step N's gather before step N+1's updates.
 
+Each row also holds the request's sampling parameters (``sampling/param_rows.py``), written once
+when the request takes the row, so a step's parameters are a gather of its sampled rows.
+
 Rows outlive preemption (a preempted request keeps its row until it ends), so there can be more
 live rows than ``max_num_seqs``: the pool doubles when it runs out.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from deepbatch.kv_cache.manager import NULL_BLOCK
+from deepbatch.sampling.param_rows import SamplingParamRows
 
 
 class PersistentBatch:
@@ -45,6 +49,7 @@ class PersistentBatch:
         # Per row: the block_ids list last sent, how many of its entries, how many of those are
         # released (NULL_BLOCK); entries from the second count on are zero on the device.
         self._sent: list[tuple[list[int] | None, int, int]] = [(None, 0, 0)] * capacity
+        self.params = SamplingParamRows(capacity, device)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -71,6 +76,7 @@ class PersistentBatch:
         self.token_pool = _grown(self.token_pool, 2 * n)
         self.block_table = _grown(self.block_table, 2 * n)
         self._sent = self._sent + [(None, 0, 0)] * n
+        self.params.grow(2 * n)
         self._free = list(range(2 * n - 1, n - 1, -1))
 
     def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:

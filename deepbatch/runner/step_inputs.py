@@ -5,11 +5,15 @@ sampling request's newest position, then its drafts' positions, ``sampling/draft
 A decode (one token) and a short chunk (a request's newest token and its drafts, up to
 ``SHORT_CHUNK`` tokens) are built from plain ints; a longer chunk (a prefill chunk) goes through
 numpy. The arrays cross to the device together, in one copy (``sampling/host_copy.py``). Block
-tables stay on the device in the persistent batch, which is sent only what changed
-(``runner/persistent_batch.py``).
+tables and sampling parameters stay on the device in the persistent batch, which is sent only what
+changed (``runner/persistent_batch.py``); the step names the persistent rows of its logits rows
+(``StepInputs.sample_rows``), from which the sampler gathers its parameters and into which the
+sampled ids go.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +22,7 @@ from deepbatch.core.forward_batch import ForwardBatch
 from deepbatch.core.scheduler_output import SchedulerOutput
 from deepbatch.runner.persistent_batch import PersistentBatch
 from deepbatch.sampling.host_copy import arrays_to_device
+from deepbatch.sampling.param_rows import padded
 from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
 
@@ -26,16 +31,27 @@ from deepbatch.sampling.prompt_logprobs import PromptLogprobRows, prompt_logprob
 SHORT_CHUNK = 17
 
 
-def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
-                device: torch.device) -> tuple[ForwardBatch, list[PromptLogprobRows]]:
-    """The step's ForwardBatch (``bs``: the block size) on ``device``, and the rows whose logits
-    give prompt logprobs (usually none). A decode whose input token is still pending reads it
-    from the request's row of the token pool (``pool``)."""
+class StepInputs(NamedTuple):
+    batch: ForwardBatch
+    prompt_rows: list[PromptLogprobRows]  # the rows whose logits give prompt logprobs (usually none)
+    # Per logits row (each sampling request's newest position, then the draft positions), the
+    # persistent row of its request: on the host, and on the device padded to a multiple of 4
+    # (``sampling/param_rows.py``).
+    sample_rows: np.ndarray
+    sample_rows_device: torch.Tensor
+
+
+def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: torch.device) -> StepInputs:
+    """The step's inputs (``bs``: the block size) on ``device``. A decode whose input token is
+    still pending reads it from the request's row of the token pool (``pool``)."""
     ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
     pending_rows, pending_src = [], []
     prompt_rows: list[PromptLogprobRows] = []
     seq_rows: list[int] = []  # each request's row of the persistent batch
+    sample_rows: list[int] = []  # each sampling request's row, then each draft position's
+    draft_rows: list[int] = []
     table_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
+    param_updates: tuple[list[int], list, list] = ([], [], [])
     max_blocks = 1
     for s in out.scheduled:
         r = s.request
@@ -80,24 +96,34 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
         seq_lens.append(end)
         if s.samples:
             logits_idx.append(qsl[-1] - 1)
+            sample_rows.append(row)
+            draft_rows.extend([row] * s.num_spec_tokens)
+            if r.sampling_params is not None:  # a tensor-parallel worker's mirror has none
+                pool.params.updates(row, r.sampling_params, param_updates)
         max_blocks = max(max_blocks, len(r.block_ids))
     q_lens = [s.num_new_tokens for s in out.scheduled]
+    sample_rows += draft_rows
+    num_sampled = len(sample_rows)
+    sample_rows += [0] * (padded(num_sampled) - num_sampled)
     arrays = [np.concatenate(ids).astype(np.int64, copy=False),
               np.concatenate(positions).astype(np.int64, copy=False),
               np.concatenate(slots).astype(np.int64, copy=False),
               np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
               np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64),
               np.asarray(pending_rows + pending_src, dtype=np.int64),
-              np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32)]
-    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d, where, table_at, table_values = \
-        arrays_to_device(arrays, device)
+              np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32),
+              np.asarray(sample_rows, dtype=np.int64), *pool.params.update_arrays(param_updates)]
+    (input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d, where, table_at, table_values,
+     sample_rows_d, param_rows, param_floats, param_ints) = arrays_to_device(arrays, device)
     if pending_rows:
         # Stream order makes this read the previous step's sampled ids once they exist.
         n = len(pending_rows)
         pool.read_pending(input_ids, where[:n], where[n:])
     if table_updates[0]:  # the blocks that changed since each row's last step, then the step's rows
         pool.apply_table_updates(table_at[0], table_at[1], table_values)
-    return ForwardBatch(
+    if param_updates[0]:  # the sampling parameters of requests new to their rows
+        pool.params.apply_updates(param_rows, param_floats, param_ints)
+    batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
         slot_mapping=slots_d,
@@ -107,4 +133,5 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch,
         logits_indices=logits_d,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
-    ), prompt_rows
+    )
+    return StepInputs(batch, prompt_rows, arrays[10][:num_sampled], sample_rows_d)

@@ -165,7 +165,7 @@ def _serve(args: WorkerArgs, inbox, rank0, fault: tuple[int | None, str]) -> Non
         if sampled:
             # Rank 0's sampled ids: where a pending input token of the next step is read.
             token_ids = torch.empty(len(sampled), dtype=torch.long, device=runner.device)
-            runner.adopt_sampled(group.broadcast_from_first(token_ids), sampled)
+            runner.adopt_sampled(group.broadcast_from_first(token_ids))
 
 
 def _next_message(inbox, rank0):

@@ -34,9 +34,8 @@ from deepbatch.kernels.common import triton
 from deepbatch.kernels.logprobs_topk import logprobs_topk
 from deepbatch.kernels.sample import counters_used, gumbel_sample
 from deepbatch.kernels.sample_rejection import sample_rejection
-from deepbatch.kernels.sample_top_k_top_p import seed_as_int64
-from deepbatch.sampling.batch_memo import BatchMemo
 from deepbatch.sampling.host_copy import table_to_device
+from deepbatch.sampling.param_rows import StepParams
 from deepbatch.sampling.pending_sample import PendingSample
 from deepbatch.sampling.penalty_state import PenaltyState
 from deepbatch.sampling.seeded_noise import seeded_exponential, stream_position
@@ -61,16 +60,16 @@ class Sampler:
         self._philox_seed = torch.initial_seed() % 2 ** 63
         self._philox_offset = 0
         self.penalties = PenaltyState(self.device, reserved_rows=max_num_seqs)
-        # The last filtered batch's filters on the device (``_sample_filtered``).
-        self._filters = BatchMemo()
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
-        """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab).
-        Queues the sampling on the device and returns without waiting for it. Never raises for
-        one request's sake: such rows come back as errors (module docstring). Under async
-        scheduling a request's newest token may still be pending: the penalties' counts on the
-        device already hold it (``penalty_state.py``), so they need no synchronous step."""
+    def sample(self, logits: torch.Tensor, requests: list[Request], step: StepParams | None = None) -> PendingSample:
+        """``logits``: float32 ``[len(requests), V]`` (V may exceed the tokenizer's vocab);
+        ``step``: the rows' sampling parameters, gathered from the persistent batch
+        (``sampling/param_rows.py``), or built from ``requests`` when not given. Queues the
+        sampling on the device and returns without waiting for it. Never raises for one
+        request's sake: such rows come back as errors (module docstring). Under async scheduling
+        a request's newest token may still be pending: the penalties' counts on the device
+        already hold it (``penalty_state.py``), so they need no synchronous step."""
         params = [r.sampling_params for r in requests]
         # Read on the host with the sampled ids (no extra sync): a NaN anywhere in a row's raw
         # logits ends that request, whatever token the NaN would have turned into.
@@ -79,7 +78,7 @@ class Sampler:
         # Host work (matchers, bitmask fill) while the device still runs the forward.
         apply_grammar_bitmask(logits, requests)
         try:
-            sampled, logprobs = self._sample_batch(logits, requests)
+            sampled, logprobs = self._sample_batch(logits, requests, step)
             pending = PendingSample(sampled, logprobs, params, None, nan_rows, self._fused_enabled(logits))
             remember_samples(pending, requests)
         except Exception as batch_error:  # noqa: BLE001 - isolated per row below
@@ -107,7 +106,8 @@ class Sampler:
         self.penalties.record(sampled, requests, skip=errors)
         return pending
 
-    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request],
+                      step: StepParams | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = [r.sampling_params for r in requests]
         if self.fault_request_id is not None and any(
             self.fault_request_id in (r.request_id, r.parent_id) for r in requests
@@ -121,14 +121,16 @@ class Sampler:
         # Logprobs are of the processed logits (PendingSample takes their log-softmax values).
         logprobs = logits if any(p.logprobs is not None for p in params) else None
 
-        if all(p.greedy for p in params):
+        step = step or StepParams.of(params, self.device)
+        if step.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif not self._fused_enabled(logits):
-            sampled = self._sample(logits, requests)
-        elif all(p.greedy or _temperature_only(p, logits.shape[1]) for p in params):
-            sampled = self._sample_fused(logits, params)
+            sampled = self._sample(logits, requests, step)
+        elif step.temperature_only(logits.shape[1]):
+            sampled = gumbel_sample(logits, step.column("inv_temperature"), self._philox_seed,
+                                    self._next_offset(logits))
         else:
-            sampled = self._sample_filtered(logits, requests)
+            sampled = self._sample_filtered(logits, requests, step)
         return sampled, logprobs
 
     def warm_up(self) -> None:
@@ -198,69 +200,40 @@ class Sampler:
         self._philox_offset = (offset + counters_used(*logits.shape)) % 2 ** 62
         return offset
 
-    def _sample_fused(self, logits, params):
-        inv_temperature = self._to_device([[0.0 if p.greedy else 1.0 / p.temperature for p in params]])[0]
-        return gumbel_sample(logits, inv_temperature, self._philox_seed, self._next_offset(logits))
-
-    def _sample_filtered(self, logits, requests):
+    def _sample_filtered(self, logits, requests, step: StepParams):
         """Top-k, top-p, min-p and seeds (``kernels/sample_rejection.py``: the tokens of
         ``kernels/sample_top_k_top_p.py`` in parallel passes); greedy rows take the argmax."""
-        vocab = logits.shape[1]
-        filters = self._filters.get(requests, vocab)
-        if filters is None:
-            filters = self._filters.put(requests, self._filter_params(requests, vocab), vocab)
-        (temperature, top_p, min_p, top_k, seeds, seeded), flags, any_seeded = filters
+        column = step.column
+        seeds = column("seed")
         # The one per-row value that moves every step: the seeded rows' stream positions (read
         # for those rows only, so a batch without seeds passes its zero seeds instead).
         positions = seeds
-        if any_seeded:
+        if step.any_seeded:
             positions = self._to_device([[stream_position(r.num_output_tokens, r.index) for r in requests]],
                                         torch.int64)[0]
-        return sample_rejection(logits, temperature, top_k, top_p, min_p, seeds, positions, seeded,
-                                self._philox_seed, self._next_offset(logits), **flags)
+        return sample_rejection(logits, column("temperature"), column("top_k").int(), column("top_p"),
+                                column("min_p"), seeds, positions, column("seeded").bool(), self._philox_seed,
+                                self._next_offset(logits), **step.hints(logits.shape[1]))
 
-    def _filter_params(self, requests, vocab: int):
-        """The batch's per-row filters on the device, the kernel's flags, and whether any row is
-        seeded. Kept for as long as the batch holds the same requests in the same order (most
-        decode steps): a request's sampling parameters never change."""
-        params = [r.sampling_params for r in requests]
-        temperature, top_p, min_p = self._to_device([[0.0 if p.greedy else p.temperature for p in params],
-                                                     [p.top_p for p in params], [p.min_p for p in params]])
-        top_k, seeds, seeded = self._to_device([
-            [p.top_k for p in params],
-            [0 if p.seed is None else seed_as_int64(p.seed) for p in params],
-            [int(p.seed is not None) for p in params],
-        ], torch.int64)
-        sampled = [p for p in params if not p.greedy]
-        flags = dict(max_top_k=max((p.top_k for p in sampled if 0 < p.top_k < vocab), default=0),
-                     any_top_p=any(p.top_p < 1.0 for p in sampled), any_min_p=any(p.min_p > 0.0 for p in sampled))
-        any_seeded = any(p.seed is not None for p in params)
-        return (temperature, top_p, min_p, top_k.int(), seeds, seeded.bool()), flags, any_seeded
-
-    def _filtered_probs(self, logits, params) -> tuple[torch.Tensor, torch.Tensor]:
+    def _filtered_probs(self, logits, step: StepParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's distribution after temperature, top-k, top-p and min-p, and which rows are
         greedy (their probs are those of temperature 1)."""
-        # One host->device copy of every per-row parameter (pinned, so it does not wait on the
-        # step's kernels): rows are greedy, temperature, top_k, top_p, min_p.
-        table = self._to_device([
-            [float(p.greedy) for p in params],
-            [1.0 if p.greedy else p.temperature for p in params],
-            [float(p.top_k if p.top_k > 0 else self.vocab_size) for p in params],
-            [p.top_p for p in params],
-            [p.min_p for p in params],
-        ])
-        greedy, temp, top_k, top_p, min_p = table
-        scaled = logits / temp.unsqueeze(1)
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-            scaled = _top_k_top_p(scaled, top_k.long(), top_p)
+        hints = step.hints(logits.shape[1])
+        temperature = step.column("temperature")
+        greedy = temperature == 0.0
+        scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+        if hints["max_top_k"] or hints["any_top_p"]:
+            top_k = step.column("top_k")
+            scaled = _top_k_top_p(scaled, torch.where(top_k > 0, top_k, logits.shape[1]), step.column("top_p"))
         probs = scaled.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
+        if hints["any_min_p"]:
+            min_p = step.column("min_p")
             probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return probs, greedy.bool()
+        return probs, greedy
 
-    def _sample(self, logits, requests):
+    def _sample(self, logits, requests, step: StepParams):
         params = [r.sampling_params for r in requests]
-        probs, greedy = self._filtered_probs(logits, params)
+        probs, greedy = self._filtered_probs(logits, step)
         q = torch.empty_like(probs).exponential_()
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:
@@ -271,11 +244,6 @@ class Sampler:
 
     def _to_device(self, rows: list[list[float]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return table_to_device(rows, dtype, self.device)
-
-
-def _temperature_only(p, vocab: int) -> bool:
-    """A sampled row the one-pass Gumbel kernel covers: no top-k, top-p, min-p or seed."""
-    return (p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0 and p.seed is None
 
 
 def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

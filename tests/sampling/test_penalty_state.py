@@ -227,10 +227,10 @@ class FailingBatchSampler(Sampler):
     """Sampling a batch of several rows raises after the penalties were applied (and new slots
     filled); each row alone works."""
 
-    def _sample(self, logits, requests):
+    def _sample(self, logits, requests, step):
         if len(requests) > 1:
             raise RuntimeError("batch failure")
-        return super()._sample(logits, requests)
+        return super()._sample(logits, requests, step)
 
 
 def test_batch_failure_counts_final_ids_once():
