@@ -51,7 +51,7 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
     sample_rows: list[int] = []  # each sampling request's row, then each draft position's
     draft_rows: list[int] = []
     table_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
-    param_updates: tuple[list[int], list, list] = ([], [], [])
+    params_sent, new_params = pool.params.sent, []
     max_blocks = 1
     for s in out.scheduled:
         r = s.request
@@ -97,41 +97,59 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
         if s.samples:
             logits_idx.append(qsl[-1] - 1)
             sample_rows.append(row)
-            draft_rows.extend([row] * s.num_spec_tokens)
-            if r.sampling_params is not None:  # a tensor-parallel worker's mirror has none
-                pool.params.updates(row, r.sampling_params, param_updates)
+            if s.num_spec_tokens:
+                draft_rows.extend([row] * s.num_spec_tokens)
+            # A tensor-parallel worker's mirror has no parameters (None): its rows are never written.
+            if params_sent[row] is not r.sampling_params:
+                new_params.append((row, r.sampling_params))
         max_blocks = max(max_blocks, len(r.block_ids))
     q_lens = [s.num_new_tokens for s in out.scheduled]
-    sample_rows += draft_rows
-    num_sampled = len(sample_rows)
-    sample_rows += [0] * (padded(num_sampled) - num_sampled)
+    num_seqs, num_sampled = len(seq_rows), len(sample_rows) + len(draft_rows)
+    # Rows padded to a multiple of 4 (``sampling/param_rows.py``); when every request samples and
+    # none drafts (most steps), the sampled rows are the step's rows and cross once.
+    shared = num_sampled == num_seqs
+    if shared:
+        seq_rows += [0] * (padded(num_sampled) - num_sampled)
+    else:
+        sample_rows += draft_rows + [0] * (padded(num_sampled) - num_sampled)
     arrays = [np.concatenate(ids).astype(np.int64, copy=False),
               np.concatenate(positions).astype(np.int64, copy=False),
               np.concatenate(slots).astype(np.int64, copy=False),
               np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
-              np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64),
-              np.asarray(pending_rows + pending_src, dtype=np.int64),
-              np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32),
-              np.asarray(sample_rows, dtype=np.int64), *pool.params.update_arrays(param_updates)]
-    (input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d, where, table_at, table_values,
-     sample_rows_d, param_rows, param_floats, param_ints) = arrays_to_device(arrays, device)
+              np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64)]
+    # The rest cross only when there is something to send (most steps send none of them).
+    if not shared:
+        arrays.append(np.asarray(sample_rows, dtype=np.int64))
+    if pending_rows:
+        arrays.append(np.asarray(pending_rows + pending_src, dtype=np.int64))
+    if table_updates[0]:
+        arrays += [np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32)]
+    if new_params:
+        param_updates = ([], [], [])
+        for row, params in new_params:
+            pool.params.updates(row, params, param_updates)
+        arrays += pool.params.update_arrays(param_updates)
+    on_device = iter(arrays_to_device(arrays, device))
+    input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d = (next(on_device) for _ in range(7))
+    sample_rows_d = rows_d if shared else next(on_device)
     if pending_rows:
         # Stream order makes this read the previous step's sampled ids once they exist.
-        n = len(pending_rows)
+        where, n = next(on_device), len(pending_rows)
         pool.read_pending(input_ids, where[:n], where[n:])
     if table_updates[0]:  # the blocks that changed since each row's last step, then the step's rows
+        table_at, table_values = next(on_device), next(on_device)
         pool.apply_table_updates(table_at[0], table_at[1], table_values)
-    if param_updates[0]:  # the sampling parameters of requests new to their rows
-        pool.params.apply_updates(param_rows, param_floats, param_ints)
+    if new_params:  # the sampling parameters of requests new to their rows
+        pool.params.apply_updates(next(on_device), next(on_device), next(on_device))
     batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
         slot_mapping=slots_d,
         query_start_loc=qsl_d,
         seq_lens=seq_lens_d,
-        block_tables=pool.block_tables(rows_d, max_blocks),
+        block_tables=pool.block_tables(rows_d[:num_seqs], max_blocks),
         logits_indices=logits_d,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
-    return StepInputs(batch, prompt_rows, arrays[10][:num_sampled], sample_rows_d)
+    return StepInputs(batch, prompt_rows, arrays[6 if shared else 7][:num_sampled], sample_rows_d)

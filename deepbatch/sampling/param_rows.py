@@ -48,8 +48,9 @@ class SamplingParamRows:
         self.ints = torch.zeros(len(INT_COLUMNS), capacity, dtype=torch.int64, device=device)
         self.host_floats = np.zeros((len(FLOAT_COLUMNS), capacity), dtype=np.float32)
         self.host_ints = np.zeros((len(INT_COLUMNS), capacity), dtype=np.int64)
-        # The SamplingParams each row was last written from (held, so no id can be reused).
-        self._sent: list = [None] * capacity
+        # The SamplingParams each row was last written from (held, so no id can be reused); read
+        # by ``runner/step_inputs.py`` for each sampling request, so a plain list.
+        self.sent: list = [None] * capacity
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` rows; the new ones are written before they are read."""
@@ -58,31 +59,32 @@ class SamplingParamRows:
         self.ints = torch.cat([self.ints, self.ints.new_zeros(self.ints.shape[0], capacity - n)], 1)
         self.host_floats = np.pad(self.host_floats, ((0, 0), (0, capacity - n)))
         self.host_ints = np.pad(self.host_ints, ((0, 0), (0, capacity - n)))
-        self._sent += [None] * (capacity - n)
+        self.sent += [None] * (capacity - n)
 
     def updates(self, row: int, params, out: tuple[list[int], list[list[float]], list[list[int]]]) -> None:
         """Append ``row``'s values to ``out`` (rows, floats, ints) unless the row already holds
         ``params``; the host mirror takes them at once, the device by ``apply_updates``."""
-        if self._sent[row] is params:
+        if self.sent[row] is params:
             return
         floats, ints = param_columns(params)
         self.host_floats[:, row] = floats
         self.host_ints[:, row] = ints
-        self._sent[row] = params
+        self.sent[row] = params
         out[0].append(row), out[1].append(floats), out[2].append(ints)
 
     @staticmethod
     def update_arrays(out: tuple[list[int], list[list[float]], list[list[int]]]) -> list[np.ndarray]:
-        """``updates``' lists as the arrays that cross to the device with the step's inputs."""
+        """``updates``' lists as the arrays that cross to the device with the step's inputs (the
+        values column-major, as the tables are)."""
         rows, floats, ints = out
         return [np.asarray(rows, dtype=np.int64),
-                np.asarray(floats, dtype=np.float32).reshape(-1, len(FLOAT_COLUMNS)),
-                np.asarray(ints, dtype=np.int64).reshape(-1, len(INT_COLUMNS))]
+                np.asarray(floats, dtype=np.float32).reshape(-1, len(FLOAT_COLUMNS)).T.copy(),
+                np.asarray(ints, dtype=np.int64).reshape(-1, len(INT_COLUMNS)).T.copy()]
 
     def apply_updates(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
         """Write the rows ``updates`` listed (on the device, in stream order)."""
-        self.floats[:, rows] = floats.T
-        self.ints[:, rows] = ints.T
+        self.floats.index_copy_(1, rows, floats)
+        self.ints.index_copy_(1, rows, ints)
 
 
 class StepParams:
@@ -94,6 +96,7 @@ class StepParams:
         self.host_ints = host_ints  # [len(INT_COLUMNS), S]
         self._device_columns = device_columns  # () -> (floats [4, padded], ints [3, padded])
         self._columns: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._filters = None  # (vocab, the masks of ``_filters_on``)
         greedy = host_floats[0] == 0.0
         self.all_greedy = bool(greedy.all())
         self._sampled = ~greedy
@@ -128,26 +131,23 @@ class StepParams:
             return floats[FLOAT_COLUMNS.index(name), :n]
         return ints[INT_COLUMNS.index(name), :n]
 
-    def _on(self, name: str, vocab: int) -> np.ndarray:
-        """Which sampled (not greedy) rows turn on the filter ``name`` (or have a seed)."""
-        if name == "top_k":
-            k = self.host_ints[0]
-            return self._sampled & (k > 0) & (k < vocab)
-        if name == "top_p":
-            return self._sampled & (self.host_floats[2] < 1.0)
-        if name == "min_p":
-            return self._sampled & (self.host_floats[3] > 0.0)
-        return self._sampled & (self.host_ints[2] != 0)  # seeded
+    def _filters_on(self, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Which sampled (not greedy) rows turn on top-k, top-p, min-p, and which have a seed."""
+        if self._filters is None or self._filters[0] != vocab:
+            sampled, k = self._sampled, self.host_ints[0]
+            self._filters = (vocab, (sampled & (k > 0) & (k < vocab), sampled & (self.host_floats[2] < 1.0),
+                                     sampled & (self.host_floats[3] > 0.0), sampled & (self.host_ints[2] != 0)))
+        return self._filters[1]
 
     def hints(self, vocab: int) -> dict:
         """The filter kernel's hints over the sampled rows (``kernels/sample_rejection.py``)."""
-        top_k = self._on("top_k", vocab)
+        top_k, top_p, min_p, _ = self._filters_on(vocab)
         return dict(max_top_k=int(self.host_ints[0][top_k].max()) if top_k.any() else 0,
-                    any_top_p=bool(self._on("top_p", vocab).any()), any_min_p=bool(self._on("min_p", vocab).any()))
+                    any_top_p=bool(top_p.any()), any_min_p=bool(min_p.any()))
 
     def temperature_only(self, vocab: int) -> bool:
         """Every sampled row has no top-k, top-p, min-p or seed (the one-pass kernel covers it)."""
-        return not any(self._on(name, vocab).any() for name in ("top_k", "top_p", "min_p", "seeded"))
+        return not any(on.any() for on in self._filters_on(vocab))
 
     @property
     def any_seeded(self) -> bool:
