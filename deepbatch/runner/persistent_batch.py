@@ -70,6 +70,7 @@ class PersistentBatch:
             self._free.append(row)
             _, n, _ = self._sent[row]
             self._sent[row] = (None, n, 0)  # not kept alive; the next owner's list is sent whole
+            self.params.sent[row] = None  # likewise its sampling parameters
 
     def _grow(self) -> None:
         n = self.token_pool.shape[0]

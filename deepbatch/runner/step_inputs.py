@@ -3,12 +3,13 @@ slots, query and sequence lengths, block tables and the rows whose logits are re
 sampling request's newest position, then its drafts' positions, ``sampling/draft_rows.py``).
 
 A decode (one token) and a short chunk (a request's newest token and its drafts, up to
-``SHORT_CHUNK`` tokens) are built from plain ints; a longer chunk (a prefill chunk) goes through
-numpy. The arrays cross to the device together, in one copy (``sampling/host_copy.py``). Block
-tables and sampling parameters stay on the device in the persistent batch, which is sent only what
-changed (``runner/persistent_batch.py``); the step names the persistent rows of its logits rows
-(``StepInputs.sample_rows``), from which the sampler gathers its parameters and into which the
-sampled ids go.
+``SHORT_CHUNK`` tokens) are built as plain ints appended to flat lists, each turned into one array
+at the end; a longer chunk (a prefill chunk) computes its positions and slots in numpy, as a piece
+between the flat runs before and after it. The arrays cross to the device together, in one copy
+(``sampling/host_copy.py``). Block tables and sampling parameters stay on the device in the
+persistent batch, which is sent only what changed (``runner/persistent_batch.py``); the step
+names the persistent rows of its logits rows (``StepInputs.sample_rows``), from which the sampler
+gathers its parameters and into which the sampled ids go.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
     """The step's inputs (``bs``: the block size) on ``device``. A decode whose input token is
     still pending reads it from the request's row of the token pool (``pool``)."""
     ids, positions, slots, qsl, seq_lens, logits_idx, spec_idx = [], [], [], [0], [], [], []
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (positions, slots) of long chunks and the runs before them
     pending_rows, pending_src = [], []
     prompt_rows: list[PromptLogprobRows] = []
     seq_rows: list[int] = []  # each request's row of the persistent batch
@@ -61,13 +63,13 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
         pool.table_updates(row, r.block_ids, table_updates)
         if s.num_new_tokens == 1:  # decode: plain ints, no per-row array work
             if start < len(r.all_token_ids):
-                ids.append((r.all_token_ids[start],))
+                ids.append(r.all_token_ids[start])
             else:  # sampled by the step still in flight: its id is in the token pool
-                ids.append((0,))
+                ids.append(0)
                 pending_rows.append(qsl[-1])
                 pending_src.append(row)
-            positions.append((start,))
-            slots.append((r.block_ids[start // bs] * bs + start % bs,))
+            positions.append(start)
+            slots.append(r.block_ids[start // bs] * bs + start % bs)
             # A one-token chunk short of the newest token (a decode always reaches it) may
             # be a prompt position.
             if not s.samples and (lp_rows := prompt_logprob_rows(r, start, end, qsl[-1])):
@@ -77,19 +79,21 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
             if known > len(r.all_token_ids):  # only a decode's one token can be pending
                 raise RuntimeError(f"request {r.request_id}: a chunk of {s.num_new_tokens} tokens ends at a "
                                    "pending token")
-            ids.append(r.all_token_ids[start:known])
+            ids += r.all_token_ids[start:known]
             if s.num_spec_tokens:  # the drafts; their rows are sampled after the others
-                ids.append(r.spec_token_ids[:s.num_spec_tokens])
+                ids += r.spec_token_ids[:s.num_spec_tokens]
                 spec_idx.extend(range(qsl[-1] + known - start - 1, qsl[-1] + s.num_new_tokens - 1))
             if s.num_new_tokens <= SHORT_CHUNK:  # a verification step's few tokens: plain ints
                 blocks = r.block_ids
-                positions.append(range(start, end))
-                slots.append([blocks[p // bs] * bs + p % bs for p in range(start, end)])
+                positions.extend(range(start, end))
+                slots.extend([blocks[p // bs] * bs + p % bs for p in range(start, end)])
             else:
+                if positions:  # the flat run before this chunk
+                    pieces.append((np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64)))
+                    positions, slots = [], []
                 pos = np.arange(start, end)
                 table = np.asarray(r.block_ids, dtype=np.int64)
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+                pieces.append((pos, table[pos // bs] * bs + pos % bs))
             if lp_rows := prompt_logprob_rows(r, start, end, qsl[-1]):
                 prompt_rows.append(lp_rows)
         qsl.append(qsl[-1] + s.num_new_tokens)
@@ -107,14 +111,18 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
     num_seqs, num_sampled = len(seq_rows), len(sample_rows) + len(draft_rows)
     # Rows padded to a multiple of 4 (``sampling/param_rows.py``); when every request samples and
     # none drafts (most steps), the sampled rows are the step's rows and cross once.
-    shared = num_sampled == num_seqs
+    shared = len(sample_rows) == num_seqs and not draft_rows
     if shared:
         seq_rows += [0] * (padded(num_sampled) - num_sampled)
     else:
         sample_rows += draft_rows + [0] * (padded(num_sampled) - num_sampled)
-    arrays = [np.concatenate(ids).astype(np.int64, copy=False),
-              np.concatenate(positions).astype(np.int64, copy=False),
-              np.concatenate(slots).astype(np.int64, copy=False),
+    if pieces:
+        if positions:
+            pieces.append((np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64)))
+        positions_np, slots_np = (np.concatenate(c) for c in zip(*pieces))
+    else:
+        positions_np, slots_np = np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    arrays = [np.asarray(ids, dtype=np.int64), positions_np, slots_np,
               np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
               np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64)]
     # The rest cross only when there is something to send (most steps send none of them).
