@@ -132,11 +132,8 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
         arrays.append(np.asarray(pending_rows + pending_src, dtype=np.int64))
     if table_updates[0]:
         arrays += [np.asarray(table_updates[:2], dtype=np.int64), np.asarray(table_updates[2], dtype=np.int32)]
-    if new_params:
-        param_updates = ([], [], [])
-        for row, params in new_params:
-            pool.params.updates(row, params, param_updates)
-        arrays += pool.params.update_arrays(param_updates)
+    for row, params in new_params:  # requests new to their rows (host only: ``sampling/param_rows.py``)
+        pool.params.write(row, params)
     on_device = iter(arrays_to_device(arrays, device))
     input_ids, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d = (next(on_device) for _ in range(7))
     sample_rows_d = rows_d if shared else next(on_device)
@@ -147,8 +144,6 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
     if table_updates[0]:  # the blocks that changed since each row's last step, then the step's rows
         table_at, table_values = next(on_device), next(on_device)
         pool.apply_table_updates(table_at[0], table_at[1], table_values)
-    if new_params:  # the sampling parameters of requests new to their rows
-        pool.params.apply_updates(next(on_device), next(on_device), next(on_device))
     batch = ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,

@@ -2,10 +2,11 @@
 columns), written once when the request takes its row, and a step's parameters gathered from them.
 
 A request's temperature, top-k, top-p, min-p and seed never change, so they cross to the device
-once, in the step that first runs the request (``runner/step_inputs.py`` sends them in that step's
-one copy), rather than with every batch that holds the request. A step's sampled rows are then
-one gather per table on the device. A host mirror of the same columns answers what the host must
-know before a launch (is every row greedy, the kernels' hints) with numpy over the step's rows.
+once, when the request takes its row, rather than with every batch that holds the request
+(``runner/step_inputs.py`` writes the row; the first step that reads the tables copies every row
+written since, so a greedy batch never sends any). A step's sampled rows are then one gather per
+table on the device. A host mirror of the same columns answers what the host must know before a
+launch (is every row greedy, the kernels' hints) with numpy over the step's rows.
 
 The tables are column-major, ``[column, row]``: a gather by rows gives each column as one
 contiguous vector, as the sampling kernels read them. The step pads its list of rows to a
@@ -51,6 +52,7 @@ class SamplingParamRows:
         # The SamplingParams each row was last written from (held, so no id can be reused); read
         # by ``runner/step_inputs.py`` for each sampling request, so a plain list.
         self.sent: list = [None] * capacity
+        self._unsent: set[int] = set()  # rows whose values the device tables do not hold yet
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` rows; the new ones are written before they are read."""
@@ -61,30 +63,24 @@ class SamplingParamRows:
         self.host_ints = np.pad(self.host_ints, ((0, 0), (0, capacity - n)))
         self.sent += [None] * (capacity - n)
 
-    def updates(self, row: int, params, out: tuple[list[int], list[list[float]], list[list[int]]]) -> None:
-        """Append ``row``'s values to ``out`` (rows, floats, ints) unless the row already holds
-        ``params``; the host mirror takes them at once, the device by ``apply_updates``."""
-        if self.sent[row] is params:
-            return
-        floats, ints = param_columns(params)
-        self.host_floats[:, row] = floats
-        self.host_ints[:, row] = ints
+    def write(self, row: int, params) -> None:
+        """``row`` now holds ``params``: the host mirror at once, the device tables before their
+        next read (``tables``), so a batch that never reads them (greedy) sends nothing."""
+        self.host_floats[:, row], self.host_ints[:, row] = param_columns(params)
         self.sent[row] = params
-        out[0].append(row), out[1].append(floats), out[2].append(ints)
+        self._unsent.add(row)
 
-    @staticmethod
-    def update_arrays(out: tuple[list[int], list[list[float]], list[list[int]]]) -> list[np.ndarray]:
-        """``updates``' lists as the arrays that cross to the device with the step's inputs (the
-        values column-major, as the tables are)."""
-        rows, floats, ints = out
-        return [np.asarray(rows, dtype=np.int64),
-                np.asarray(floats, dtype=np.float32).reshape(-1, len(FLOAT_COLUMNS)).T.copy(),
-                np.asarray(ints, dtype=np.int64).reshape(-1, len(INT_COLUMNS)).T.copy()]
-
-    def apply_updates(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        """Write the rows ``updates`` listed (on the device, in stream order)."""
-        self.floats.index_copy_(1, rows, floats)
-        self.ints.index_copy_(1, rows, ints)
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device tables, holding every row written so far: the rows written since the last
+        read cross in one copy, queued before the read (stream order)."""
+        if self._unsent:
+            rows = np.fromiter(self._unsent, dtype=np.int64, count=len(self._unsent))
+            self._unsent.clear()
+            index, floats, ints = arrays_to_device([rows, self.host_floats[:, rows], self.host_ints[:, rows]],
+                                                   self.device)
+            self.floats.index_copy_(1, index, floats)
+            self.ints.index_copy_(1, index, ints)
+        return self.floats, self.ints
 
 
 class StepParams:
@@ -104,8 +100,11 @@ class StepParams:
     @classmethod
     def gather(cls, table: SamplingParamRows, rows: np.ndarray, rows_device: torch.Tensor) -> StepParams:
         """Rows ``rows`` of ``table`` (``rows_device``: the same, padded to ``padded(len(rows))``)."""
-        return cls(table.host_floats[:, rows], table.host_ints[:, rows],
-                   lambda: (table.floats.index_select(1, rows_device), table.ints.index_select(1, rows_device)))
+        def device_columns():
+            floats, ints = table.tables()
+            return floats.index_select(1, rows_device), ints.index_select(1, rows_device)
+
+        return cls(table.host_floats[:, rows], table.host_ints[:, rows], device_columns)
 
     @classmethod
     def of(cls, params: list, device: torch.device) -> StepParams:
