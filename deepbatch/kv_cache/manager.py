@@ -215,7 +215,8 @@ class KVCacheManager:
             # Fast path (every decode step): the last block still has room.
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(request.block_ids) * self.block_size:
-                self._release_out_of_window(request, self.first_needed_block(request.num_computed_tokens))
+                if self.sliding_window is not None:
+                    self._release_out_of_window(request, self.first_needed_block(request.num_computed_tokens))
                 self._cache_full_blocks(request, end)
                 return []
         computed_blocks = computed_blocks or []
