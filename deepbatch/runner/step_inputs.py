@@ -122,12 +122,14 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
         positions_np, slots_np = (np.concatenate(c) for c in zip(*pieces))
     else:
         positions_np, slots_np = np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+    seq_rows_np = np.asarray(seq_rows, dtype=np.int64)
+    sample_rows_np = seq_rows_np if shared else np.asarray(sample_rows, dtype=np.int64)
     arrays = [np.asarray(ids, dtype=np.int64), positions_np, slots_np,
               np.asarray(qsl, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32),
-              np.asarray(logits_idx + spec_idx, dtype=np.int64), np.asarray(seq_rows, dtype=np.int64)]
+              np.asarray(logits_idx + spec_idx, dtype=np.int64), seq_rows_np]
     # The rest cross only when there is something to send (most steps send none of them).
     if not shared:
-        arrays.append(np.asarray(sample_rows, dtype=np.int64))
+        arrays.append(sample_rows_np)
     if pending_rows:
         arrays.append(np.asarray(pending_rows + pending_src, dtype=np.int64))
     if table_updates[0]:
@@ -155,4 +157,4 @@ def step_inputs(out: SchedulerOutput, bs: int, pool: PersistentBatch, device: to
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
-    return StepInputs(batch, prompt_rows, arrays[6 if shared else 7][:num_sampled], sample_rows_d)
+    return StepInputs(batch, prompt_rows, sample_rows_np[:num_sampled], sample_rows_d)
